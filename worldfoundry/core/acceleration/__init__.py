@@ -1,0 +1,1 @@
+"""The acceleration lifecycle: registry, installer, session, guard, patch recorder and receipts."""

@@ -1,0 +1,28 @@
+"""Hook specifications for plugin distributions.
+
+A plugin distribution declares an entry point in the group ``worldfoundry.accelerations`` that names a
+module containing ``@worldfoundry.hookimpl`` functions. The registry calls each one with a ``register``
+callback instead of letting plugins touch global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import pluggy
+
+PROJECT_NAME: Final = "worldfoundry"
+ACCELERATION_ENTRY_POINT_GROUP: Final = "worldfoundry.accelerations"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_diffusion_accelerations(register: Callable[..., None]) -> None:
+    """Register accelerations provided by this plugin.
+
+    Args:
+        register: ``register(name, prepare_factory, *, replace=False)``. ``prepare_factory(model, options, policy)``
+            validates and returns a :class:`~worldfoundry.core.acceleration.prepared.PreparedAcceleration`.
+    """

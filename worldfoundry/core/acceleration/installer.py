@@ -1,0 +1,231 @@
+"""``install_diffusion_accelerations``: prepare all -> conflict check -> transactional activate with rollback."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from worldfoundry.core.acceleration.guard import RequestGuard, attach_request_guard, get_request_guard
+from worldfoundry.core.acceleration.prepared import PreparedAcceleration
+from worldfoundry.core.acceleration.receipts import InstallReceipt, PluginInstallRecord
+from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
+from worldfoundry.core.acceleration.session import (
+    SESSION_ATTRIBUTE,
+    SINGLE_MODEL_LABEL,
+    AccelerationSession,
+    ActiveAcceleration,
+    deactivate_all,
+)
+from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
+from worldfoundry.core.model_loading.policy import RuntimePolicy, _freeze, normalize_acceleration_spec
+from worldfoundry.errors import (
+    AccelerationConflictError,
+    AccelerationInstallError,
+    SessionAlreadyInstalledError,
+    WorldFoundryError,
+)
+
+logger = logging.getLogger(__name__)
+
+ModelOrExperts = nn.Module | Mapping[str, nn.Module] | Sequence[nn.Module]
+
+
+def normalize_targets(model: ModelOrExperts) -> dict[str, nn.Module]:
+    """One module -> ``{"model": module}``; a mapping of experts is kept; a sequence gets ``expert0..n``."""
+    if isinstance(model, nn.Module):
+        return {SINGLE_MODEL_LABEL: model}
+    if isinstance(model, Mapping):
+        targets = dict(model)
+    elif isinstance(model, Sequence) and not isinstance(model, str):
+        targets = {f"expert{i}": m for i, m in enumerate(model)}
+    else:
+        raise TypeError(f"model must be an nn.Module or a mapping/sequence of them, got {type(model).__name__}")
+    if not targets or not all(isinstance(m, nn.Module) for m in targets.values()):
+        raise TypeError("every expert must be an nn.Module")
+    if len({id(m) for m in targets.values()}) != len(targets):
+        raise ValueError("the same module is listed twice among the experts")
+    return targets
+
+
+def _shared_guard(targets: Mapping[str, nn.Module]) -> RequestGuard:
+    guards = {id(g): g for g in (get_request_guard(m) for m in targets.values()) if g is not None}
+    if len(guards) > 1:
+        raise ValueError("the experts have different request guards; experts installed together must share one")
+    guard: RequestGuard | None = next(iter(guards.values()), None)
+    for module in targets.values():
+        guard = attach_request_guard(module, guard)
+    if guard is None:  # pragma: no cover - targets is never empty
+        raise ValueError("no model to guard")
+    return guard
+
+
+def _default_policy(targets: Mapping[str, nn.Module]) -> RuntimePolicy:
+    first = next(iter(targets.values()))
+    param = next(first.parameters(), None)
+    if param is None:
+        return RuntimePolicy()
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    return RuntimePolicy(device=param.device, dtype=dtype)
+
+
+def _check_conflicts(prepared: list[tuple[str, PreparedAcceleration]]) -> None:
+    """Raise on the first shared claim or declared incompatibility, before anything is activated."""
+    owners: dict[tuple[str, str], str] = {}
+    for expert, plan in prepared:
+        for claim in sorted(plan.claims):
+            key = (expert, claim)
+            other = owners.get(key)
+            if other is not None and other != plan.name:
+                where = claim if expert == SINGLE_MODEL_LABEL else f"{expert}/{claim}"
+                raise AccelerationConflictError(other, plan.name, where)
+            owners[key] = plan.name
+    by_name: dict[str, set[str]] = {}
+    for _, plan in prepared:
+        by_name.setdefault(plan.name, set()).update(plan.claims)
+    declared: dict[str, set[str]] = {}
+    for _, plan in prepared:
+        declared.setdefault(plan.name, set()).update(plan.incompatible_with)
+    names = sorted(by_name)
+    for a in names:
+        for b in names:
+            if a == b:
+                continue
+            if b in declared[a]:
+                raise AccelerationConflictError(a, b, b, reason=f"{a!r} declares itself incompatible with")
+            shared = sorted(declared[a] & by_name[b])
+            if shared:
+                raise AccelerationConflictError(a, b, shared[0], reason=f"{a!r} cannot run with a plugin claiming")
+
+
+def install_diffusion_accelerations(
+    model: ModelOrExperts,
+    spec: Mapping[str, Any],
+    policy: RuntimePolicy | None = None,
+    *,
+    registry: AccelerationRegistry | None = None,
+) -> AccelerationSession:
+    """Install accelerations on an idle model (or on a group of experts, as one session).
+
+    Args:
+        model: the diffusers module, or ``{"high": m1, "low": m2}`` for routed experts.
+        spec: ``{name: options mapping or True}``.
+        policy: runtime policy handed to every factory (defaults to the model's device/dtype).
+        registry: where names are looked up (the process default when ``None``).
+
+    Returns:
+        The :class:`AccelerationSession`, also attached at ``model._worldfoundry_accelerations``.
+
+    Raises:
+        ModelBusyError: a request or forward is active.
+        SessionAlreadyInstalledError: uninstall the current session first.
+        UnknownAccelerationError: a name is not registered (the message lists the known ones).
+        AccelerationOptionsError / AccelerationRefusedError: a factory rejected its options or the model.
+        AccelerationConflictError: two plans claim the same module/role or declare each other incompatible.
+        AccelerationInstallError: activation failed; everything was rolled back (cause chained).
+    """
+    targets = normalize_targets(model)
+    normalized = normalize_acceleration_spec(spec, where="spec")
+    registry = registry if registry is not None else diffusion_acceleration_registry()
+    policy = policy if policy is not None else _default_policy(targets)
+    guard = _shared_guard(targets)
+
+    with guard.mutation("install accelerations"):
+        for module in targets.values():
+            existing = module.__dict__.get(SESSION_ATTRIBUTE)
+            if existing is not None:
+                raise SessionAlreadyInstalledError(existing.names)
+        entries = {name: registry.get(name) for name in normalized}  # unknown names raise here
+
+        # 1. prepare all (validation only) and prove nothing changed
+        snapshots = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
+        prepared: list[tuple[str, PreparedAcceleration]] = []
+        for name, options in normalized.items():
+            for label, module in targets.items():
+                plan = _prepare_one(entries[name].factory, name, module, options, policy)
+                prepared.append((label, plan))
+        for label, snapshot in snapshots.items():
+            diffs = snapshot.restore()
+            if diffs:
+                raise AccelerationInstallError(
+                    ",".join(normalized), f"a prepare step changed the model ({label}): {diffs[:5]}; restored"
+                )
+
+        # 2. conflicts, before any activation
+        _check_conflicts(prepared)
+
+        # 3. activate transactionally, in a deterministic order
+        order = sorted(range(len(prepared)), key=lambda i: (prepared[i][1].name, list(targets).index(prepared[i][0])))
+        active: list[ActiveAcceleration] = []
+        for i in order:
+            label, plan = prepared[i]
+            try:
+                handle = plan.activate()
+                if not callable(getattr(handle, "deactivate", None)):
+                    raise TypeError(f"activate() of {plan.name!r} returned {type(handle).__name__} without deactivate()")
+            except BaseException as exc:
+                rollback_errors = deactivate_all(active)
+                drift = [f"{lb}: {d}" for lb, s in snapshots.items() for d in s.restore()]
+                detail = f"{type(exc).__name__}: {exc}"
+                if rollback_errors:
+                    detail += f"; {len(rollback_errors)} rollback error(s): " + "; ".join(map(str, rollback_errors))
+                if drift:
+                    detail += f"; structure restored from snapshot ({len(drift)} difference(s))"
+                if not isinstance(exc, Exception):
+                    raise
+                raise AccelerationInstallError(plan.name, detail) from exc
+            active.append(ActiveAcceleration(plan.name, label, plan, handle))
+
+        receipt = _build_receipt(targets, prepared, entries)
+        session = AccelerationSession(targets, active, receipt, guard, snapshots)
+        for module in targets.values():
+            object.__setattr__(module, SESSION_ATTRIBUTE, session)
+        guard.add_listener(session)
+    logger.info("installed accelerations %s on %s", list(receipt.names), receipt.model_class)
+    return session
+
+
+def _prepare_one(factory: Any, name: str, module: nn.Module, options: dict[str, Any],
+                 policy: RuntimePolicy) -> PreparedAcceleration:
+    try:
+        plan = factory(module, _freeze(options), policy)
+    except WorldFoundryError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise AccelerationInstallError(name, f"prepare failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(plan, PreparedAcceleration):
+        raise AccelerationInstallError(name, f"prepare factory returned {type(plan).__name__}, not PreparedAcceleration")
+    if plan.name != name:
+        raise AccelerationInstallError(name, f"prepare factory returned a plan named {plan.name!r}")
+    return plan
+
+
+def _build_receipt(targets: Mapping[str, nn.Module], prepared: list[tuple[str, PreparedAcceleration]],
+                   entries: Mapping[str, Any]) -> InstallReceipt:
+    records: dict[str, PluginInstallRecord] = {}
+    experts: dict[str, list[str]] = {}
+    claims: dict[str, set[str]] = {}
+    for label, plan in prepared:
+        experts.setdefault(plan.name, []).append(label)
+        claims.setdefault(plan.name, set()).update(
+            plan.claims if label == SINGLE_MODEL_LABEL else {f"{label}/{c}" for c in plan.claims}
+        )
+    for label, plan in prepared:
+        if plan.name in records:
+            continue
+        entry = entries[plan.name]
+        records[plan.name] = PluginInstallRecord(
+            name=plan.name,
+            options=dict(plan.options),
+            claims=tuple(sorted(claims[plan.name])),
+            distribution=entry.distribution,
+            version=entry.version,
+            exact=plan.exact,
+            experts=tuple(experts[plan.name]),
+            notes=plan.notes,
+        )
+    first = next(iter(targets.values()))
+    return InstallReceipt(tuple(records.values()), type(first).__name__, tuple(targets))

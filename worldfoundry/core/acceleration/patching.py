@@ -1,0 +1,268 @@
+"""``PatchRecorder``: every change a plugin makes is recorded and undone in reverse, exactly once.
+
+Plugins never hand-roll undo. Build activation inside ``with PatchRecorder() as rec:`` and call
+``rec.pop_all()`` on success (the ExitStack recipe): if anything raises before, the partial change is undone.
+
+Example:
+    >>> import torch.nn as nn
+    >>> lin = nn.Linear(2, 2)
+    >>> with PatchRecorder() as rec:
+    ...     rec.wrap_forward(lin, lambda orig: (lambda x: orig(x) * 0), name="zero")
+    ...     patches = rec.pop_all()
+    >>> patches.undo()
+    >>> "forward" in lin.__dict__
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import torch.nn as nn
+
+from worldfoundry.errors import AccelerationRestoreError
+
+logger = logging.getLogger(__name__)
+
+
+class _NotSet:
+    _instance: _NotSet | None = None
+
+    def __new__(cls) -> _NotSet:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NOTSET"
+
+
+#: Sentinel for "the attribute did not exist before".
+NOTSET: Final = _NotSet()
+
+PATCH_NAME_ATTRIBUTE = "_worldfoundry_patch_name"
+
+
+class DuplicatePatchError(ValueError):
+    """A named patch is applied twice to the same target."""
+
+
+@dataclass
+class _Entry:
+    description: str
+    undo: Callable[[], None]
+
+
+def _slot_of(obj: Any, name: str) -> tuple[str, Any]:
+    """Where ``name`` lives on ``obj`` and its current value: parameter / buffer / module / dict / NOTSET."""
+    if isinstance(obj, nn.Module):
+        if name in obj._parameters:
+            return "parameter", obj._parameters[name]
+        if name in obj._buffers:
+            return "buffer", obj._buffers[name]
+        if name in obj._modules:
+            return "module", obj._modules[name]
+    if name in getattr(obj, "__dict__", {}):
+        return "dict", obj.__dict__[name]
+    return "absent", NOTSET
+
+
+def patch_names(fn: Any) -> list[str]:
+    """Names of worldfoundry patches wrapped around a callable (outermost first)."""
+    names = []
+    while fn is not None:
+        name = getattr(fn, PATCH_NAME_ATTRIBUTE, None)
+        if name is not None:
+            names.append(name)
+        fn = getattr(fn, "__wrapped__", None)
+    return names
+
+
+class PatchRecorder:
+    """Records reversible changes; :meth:`undo` reverts them in reverse order (idempotent)."""
+
+    def __init__(self, label: str = "") -> None:
+        self.label = label
+        self._entries: list[_Entry] = []
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> PatchRecorder:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # Undo whatever was not handed over with pop_all(). Errors during undo are chained onto the original.
+        self.undo()
+
+    def pop_all(self) -> PatchRecorder:
+        """Move every recorded entry to a new recorder (returned) so leaving the ``with`` block keeps them."""
+        new = PatchRecorder(self.label)
+        new._entries, self._entries = self._entries, []
+        return new
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def descriptions(self) -> list[str]:
+        return [e.description for e in self._entries]
+
+    # ------------------------------------------------------------------ primitives
+    def callback(self, undo: Callable[[], None], description: str = "callback") -> None:
+        """Record an arbitrary undo callable (for changes the other methods do not cover)."""
+        self._entries.append(_Entry(description, undo))
+
+    def setattr(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` (parameters, buffers and submodules keep their slot and order)."""
+        slot, old = _slot_of(obj, name)
+        if slot == "parameter":
+            if value is not None and not isinstance(value, nn.Parameter):
+                raise TypeError(f"{name!r} is a parameter; assign an nn.Parameter (or None), not {type(value).__name__}")
+            obj._parameters[name] = value
+        elif slot == "buffer":
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name!r} is a buffer; assign a tensor")
+            obj._buffers[name] = value
+        elif slot == "module":
+            if value is not None and not isinstance(value, nn.Module):
+                raise TypeError(f"{name!r} is a submodule; assign an nn.Module")
+            obj._modules[name] = value
+        elif slot == "dict":
+            obj.__dict__[name] = value
+        else:
+            setattr(obj, name, value)
+
+        def undo(obj: Any = obj, name: str = name, slot: str = slot, old: Any = old) -> None:
+            if slot == "parameter":
+                obj._parameters[name] = old
+            elif slot == "buffer":
+                obj._buffers[name] = old
+            elif slot == "module":
+                obj._modules[name] = old
+            elif slot == "dict":
+                obj.__dict__[name] = old
+            else:
+                _delete_attribute(obj, name)
+
+        self._entries.append(_Entry(f"setattr {type(obj).__name__}.{name}", undo))
+
+    def delattr(self, obj: Any, name: str) -> None:
+        """Delete an attribute, remembering where it lived."""
+        slot, old = _slot_of(obj, name)
+        if slot == "absent":
+            raise AttributeError(f"{type(obj).__name__} has no instance attribute {name!r} to delete")
+        if isinstance(obj, nn.Module):
+            container = {"parameter": obj._parameters, "buffer": obj._buffers, "module": obj._modules}.get(slot)
+        else:
+            container = None
+        if container is not None:
+            keys = list(container)
+            index = keys.index(name)
+            persistent = not (slot == "buffer" and name in obj._non_persistent_buffers_set)
+            del container[name]
+            if slot == "buffer":
+                obj._non_persistent_buffers_set.discard(name)
+
+            def undo() -> None:
+                _reinsert(container, name, old, index)
+                if slot == "buffer" and not persistent:
+                    obj._non_persistent_buffers_set.add(name)
+        else:
+            del obj.__dict__[name]
+
+            def undo() -> None:
+                obj.__dict__[name] = old
+
+        self._entries.append(_Entry(f"delattr {type(obj).__name__}.{name}", undo))
+
+    def replace_module(self, parent: nn.Module, name: str, new: nn.Module) -> nn.Module:
+        """Swap child ``name`` of ``parent`` for ``new`` in place (order kept). Returns the old child."""
+        if name not in parent._modules:
+            raise KeyError(f"{type(parent).__name__} has no child module {name!r}")
+        old = parent._modules[name]
+        self.setattr(parent, name, new)
+        return old
+
+    def add_module(self, parent: nn.Module, name: str, module: nn.Module) -> None:
+        """Add a new child module (refuses to overwrite)."""
+        if _slot_of(parent, name)[0] != "absent":
+            raise ValueError(f"{type(parent).__name__} already has an attribute {name!r}")
+        parent.add_module(name, module)
+        self._entries.append(_Entry(f"add_module {name}", lambda: _delete_attribute(parent, name)))
+
+    def register_buffer(self, module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = False) -> None:
+        """Add a buffer (non-persistent by default so state dicts keep their keys)."""
+        if _slot_of(module, name)[0] != "absent":
+            raise ValueError(f"{type(module).__name__} already has an attribute {name!r}")
+        module.register_buffer(name, tensor, persistent=persistent)
+
+        def undo() -> None:
+            module._buffers.pop(name, None)
+            module._non_persistent_buffers_set.discard(name)
+
+        self._entries.append(_Entry(f"register_buffer {name}", undo))
+
+    def register_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if _slot_of(module, name)[0] != "absent":
+            raise ValueError(f"{type(module).__name__} already has an attribute {name!r}")
+        module.register_parameter(name, param)
+        self._entries.append(_Entry(f"register_parameter {name}", lambda: module._parameters.pop(name, None)))
+
+    def hook(self, handle: Any, description: str = "hook") -> Any:
+        """Record a ``torch.utils.hooks.RemovableHandle`` (removed on undo). Returns the handle."""
+        self._entries.append(_Entry(description, handle.remove))
+        return handle
+
+    def wrap_forward(self, module: nn.Module, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+                     *, name: str) -> Callable[..., Any]:
+        """Replace ``module.forward`` with ``make_wrapper(original_forward)``.
+
+        The wrapper keeps the original's signature (``functools.update_wrapper``) and carries ``name``;
+        wrapping twice with the same name raises :class:`DuplicatePatchError`.
+        """
+        original = module.forward
+        if name in patch_names(original):
+            raise DuplicatePatchError(f"forward of {type(module).__name__} is already patched by {name!r}")
+        wrapper = make_wrapper(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(wrapper, PATCH_NAME_ATTRIBUTE, name)
+        self.setattr(module, "forward", wrapper)
+        return wrapper
+
+    # ------------------------------------------------------------------ undo
+    def undo(self) -> None:
+        """Undo every entry in reverse. Continues past failures, then raises :class:`AccelerationRestoreError`."""
+        errors: list[BaseException] = []
+        while self._entries:
+            entry = self._entries.pop()
+            try:
+                entry.undo()
+            except Exception as exc:
+                logger.error("undo of %r failed: %s", entry.description, exc)
+                errors.append(exc)
+        if errors:
+            raise AccelerationRestoreError(errors)
+
+
+def _delete_attribute(obj: Any, name: str) -> None:
+    if isinstance(obj, nn.Module):
+        for container in (obj._parameters, obj._buffers, obj._modules):
+            if name in container:
+                del container[name]
+                if container is obj._buffers:
+                    obj._non_persistent_buffers_set.discard(name)
+                return
+    if name in getattr(obj, "__dict__", {}):
+        del obj.__dict__[name]
+    elif hasattr(obj, name):
+        delattr(obj, name)
+
+
+def _reinsert(container: dict[str, Any], name: str, value: Any, index: int) -> None:
+    items = list(container.items())
+    items.insert(min(index, len(items)), (name, value))
+    container.clear()
+    container.update(items)

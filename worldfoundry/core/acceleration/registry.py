@@ -1,0 +1,245 @@
+"""The acceleration registry: names -> prepare factories, discovered lazily from entry points through pluggy."""
+
+from __future__ import annotations
+
+import importlib.metadata as importlib_metadata
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from worldfoundry.core.acceleration import hookspecs
+from worldfoundry.errors import DuplicateAccelerationError, PluginLoadError, UnknownAccelerationError
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
+
+
+@dataclass(frozen=True)
+class RegisteredAcceleration:
+    """One registered name."""
+
+    name: str
+    factory: Callable[..., Any]
+    distribution: str | None = None
+    version: str | None = None
+    entry_point: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "entry_point": self.entry_point,
+        }
+
+
+@dataclass(frozen=True)
+class PluginLoadRecord:
+    """What happened to one entry point during discovery."""
+
+    entry_point: str
+    value: str
+    distribution: str
+    version: str
+    status: str  # "loaded" | "failed" | "skipped (not in WORLDFOUNDRY_PLUGINS)"
+    names: tuple[str, ...] = ()
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entry_point": self.entry_point,
+            "value": self.value,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "names": list(self.names),
+            "error": self.error,
+        }
+
+
+def parse_allowlist(value: str | None) -> frozenset[str] | None:
+    """``None`` (unset) allows everything; ``""`` allows nothing; otherwise comma-separated names."""
+    if value is None:
+        return None
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+class AccelerationRegistry:
+    """Maps acceleration names to prepare factories.
+
+    Build fresh ones in tests; :func:`diffusion_acceleration_registry` returns the process default.
+
+    Args:
+        discover: load entry points of ``entry_point_group`` lazily on first lookup.
+        allowlist: entry point or distribution names to load; ``None`` reads ``WORLDFOUNDRY_PLUGINS``
+            (unset = all, empty = none).
+
+    Example:
+        >>> reg = AccelerationRegistry(discover=False)
+        >>> reg.register("noop", lambda model, options, policy: ...)
+        >>> reg.names()
+        ('noop',)
+    """
+
+    def __init__(
+        self,
+        *,
+        discover: bool = True,
+        entry_point_group: str = hookspecs.ACCELERATION_ENTRY_POINT_GROUP,
+        allowlist: Iterable[str] | None = None,
+    ) -> None:
+        self._entries: dict[str, RegisteredAcceleration] = {}
+        self._lock = threading.RLock()
+        self._discover = discover
+        self._discovered = not discover
+        self._group = entry_point_group
+        self._allowlist = frozenset(allowlist) if allowlist is not None else None
+        self._load_records: list[PluginLoadRecord] = []
+        self._plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._plugin_manager.add_hookspecs(hookspecs)
+
+    # ------------------------------------------------------------------ registration
+    def register(
+        self,
+        name: str,
+        prepare_factory: Callable[..., Any],
+        *,
+        replace: bool = False,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+    ) -> None:
+        """Register ``prepare_factory(model, options, policy) -> PreparedAcceleration`` under ``name``.
+
+        Raises:
+            DuplicateAccelerationError: ``name`` is taken and ``replace`` is false.
+            TypeError: the factory is not callable or the name is not a non-empty string.
+        """
+        if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+            raise TypeError(f"acceleration name must be a non-empty identifier-like string, got {name!r}")
+        if not callable(prepare_factory):
+            raise TypeError(f"prepare_factory for {name!r} must be callable")
+        with self._lock:
+            existing = self._entries.get(name)
+            if existing is not None and not replace:
+                origin = existing.distribution or "code"
+                raise DuplicateAccelerationError(
+                    f"acceleration {name!r} is already registered (by {origin}); pass replace=True to override"
+                )
+            self._entries[name] = RegisteredAcceleration(name, prepare_factory, distribution, version, entry_point)
+
+    def unregister(self, name: str) -> None:
+        self._ensure_discovered()
+        with self._lock:
+            if name not in self._entries:
+                raise UnknownAccelerationError(name, self._entries)
+            del self._entries[name]
+
+    def names(self) -> tuple[str, ...]:
+        self._ensure_discovered()
+        with self._lock:
+            return tuple(sorted(self._entries))
+
+    def get(self, name: str) -> RegisteredAcceleration:
+        self._ensure_discovered()
+        with self._lock:
+            try:
+                return self._entries[name]
+            except KeyError:
+                raise UnknownAccelerationError(name, self._entries) from None
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure_discovered()
+        return name in self._entries
+
+    def load_records(self) -> tuple[PluginLoadRecord, ...]:
+        """What discovery did for each entry point (loaded / failed / skipped)."""
+        self._ensure_discovered()
+        return tuple(self._load_records)
+
+    def load_errors(self) -> tuple[PluginLoadError, ...]:
+        return tuple(
+            PluginLoadError(r.distribution, r.entry_point, RuntimeError(r.error or ""))
+            for r in self.load_records()
+            if r.status == "failed"
+        )
+
+    # ------------------------------------------------------------------ discovery
+    def _ensure_discovered(self) -> None:
+        if self._discovered:
+            return
+        with self._lock:
+            if self._discovered:
+                return
+            self._discovered = True
+            self._discover_entry_points()
+
+    def _discover_entry_points(self) -> None:
+        allow = self._allowlist if self._allowlist is not None else parse_allowlist(os.environ.get(PLUGIN_ALLOWLIST_ENV))
+        for ep in sorted(importlib_metadata.entry_points(group=self._group), key=lambda e: e.name):
+            dist_name = ep.dist.name if ep.dist is not None else "<unknown>"
+            dist_version = ep.dist.version if ep.dist is not None else "<unknown>"
+            if allow is not None and ep.name not in allow and dist_name not in allow:
+                self._load_records.append(
+                    PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, f"skipped (not in {PLUGIN_ALLOWLIST_ENV})")
+                )
+                continue
+            registered: list[str] = []
+            staged: dict[str, RegisteredAcceleration] = {}
+
+            def register(name: str, prepare_factory: Callable[..., Any], *, replace: bool = False,
+                         _ep: Any = ep, _dist: str = dist_name, _ver: str = dist_version) -> None:
+                if not replace and (name in self._entries or name in staged):
+                    raise DuplicateAccelerationError(
+                        f"acceleration {name!r} registered twice (second time by {_dist}); pass replace=True"
+                    )
+                staged[name] = RegisteredAcceleration(name, prepare_factory, _dist, _ver, f"{_ep.name} = {_ep.value}")
+                registered.append(name)
+
+            try:
+                module = ep.load()
+                plugin_name = f"{dist_name}:{ep.name}"
+                if self._plugin_manager.get_plugin(plugin_name) is None:
+                    self._plugin_manager.register(module, name=plugin_name)
+                impls = [
+                    impl
+                    for impl in self._plugin_manager.hook.register_diffusion_accelerations.get_hookimpls()
+                    if impl.plugin_name == plugin_name
+                ]
+                if not impls:
+                    raise LookupError(
+                        f"entry point {ep.value!r} defines no @worldfoundry.hookimpl register_diffusion_accelerations"
+                    )
+                for impl in impls:
+                    impl.function(register=register)
+                for name, entry in staged.items():
+                    self._entries[name] = entry
+            except Exception as exc:  # a broken plugin must not break the others
+                error = PluginLoadError(dist_name, ep.name, exc)
+                logger.warning("%s", error)
+                self._load_records.append(
+                    PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "failed", (), f"{type(exc).__name__}: {exc}")
+                )
+                continue
+            self._load_records.append(
+                PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "loaded", tuple(registered))
+            )
+
+
+_DEFAULT_REGISTRY: AccelerationRegistry | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def diffusion_acceleration_registry() -> AccelerationRegistry:
+    """The process-wide default registry (entry points discovered lazily on first lookup)."""
+    global _DEFAULT_REGISTRY
+    with _DEFAULT_LOCK:
+        if _DEFAULT_REGISTRY is None:
+            _DEFAULT_REGISTRY = AccelerationRegistry(discover=True)
+        return _DEFAULT_REGISTRY

@@ -1,0 +1,167 @@
+"""``AccelerationSession``: the installed set of accelerations on one model (or one group of experts)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from worldfoundry.core.acceleration.guard import RequestGuard, get_request_guard
+from worldfoundry.core.acceleration.prepared import AccelerationHandle, PreparedAcceleration
+from worldfoundry.core.acceleration.receipts import InstallReceipt
+from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
+from worldfoundry.errors import AccelerationRestoreError
+
+logger = logging.getLogger(__name__)
+
+SESSION_ATTRIBUTE = "_worldfoundry_accelerations"
+SINGLE_MODEL_LABEL = "model"
+
+
+@dataclass
+class ActiveAcceleration:
+    name: str
+    expert: str
+    prepared: PreparedAcceleration
+    handle: AccelerationHandle
+
+
+class AccelerationSession:
+    """Returned by :func:`install_diffusion_accelerations` and attached at ``model._worldfoundry_accelerations``.
+
+    ``uninstall()`` restores every model exactly (idempotent), detaches the session and frees derived tensors.
+    """
+
+    def __init__(self, targets: Mapping[str, nn.Module], active: list[ActiveAcceleration], receipt: InstallReceipt,
+                 guard: RequestGuard, snapshots: Mapping[str, ModuleTreeSnapshot]) -> None:
+        self._targets = dict(targets)
+        self._active = list(active)
+        self.receipt = receipt
+        self._guard = guard
+        self._snapshots = dict(snapshots)
+        self._final_report: dict[str, Any] | None = None
+        self.restore_differences: list[str] = []
+
+    # ------------------------------------------------------------------ state
+    @property
+    def installed(self) -> bool:
+        return self._final_report is None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.receipt.names
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        return dict(self._targets)
+
+    def handles(self, name: str) -> dict[str, AccelerationHandle]:
+        """The live handles of acceleration ``name`` keyed by expert label (for tests and diagnostics)."""
+        return {a.expert: a.handle for a in self._active if a.name == name}
+
+    # ------------------------------------------------------------------ request callbacks (from the guard)
+    def on_begin_request(self, request_id: str) -> None:
+        for entry in self._active:
+            begin = getattr(entry.handle, "begin_request", None)
+            if begin is not None:
+                begin(request_id)
+
+    def on_end_request(self, request_id: str) -> None:
+        errors: list[BaseException] = []
+        for entry in reversed(self._active):
+            end = getattr(entry.handle, "end_request", None)
+            if end is not None:
+                try:
+                    end(request_id)
+                except BaseException as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def prepare_request_schedule(self, request_id: str, schedule: Any) -> None:
+        for entry in self._active:
+            prepare = getattr(entry.handle, "prepare_request_schedule", None)
+            if prepare is not None:
+                prepare(request_id, schedule)
+
+    # ------------------------------------------------------------------ reports
+    def execution_report(self) -> dict[str, Any]:
+        """Per plugin, per expert: the handle's execution report (bounded, JSON-serialisable)."""
+        if self._final_report is not None:
+            return self._final_report
+        plugins: dict[str, dict[str, Any]] = {}
+        for entry in self._active:
+            report_fn = getattr(entry.handle, "execution_report", None)
+            report = report_fn() if report_fn is not None else {"plugin": entry.name, "reports_execution": False}
+            plugins.setdefault(entry.name, {})[entry.expert] = report
+        return {"installed": True, "execution_verified": False, "plugins": plugins}
+
+    # ------------------------------------------------------------------ uninstall
+    def uninstall(self) -> None:
+        """Deactivate every acceleration in reverse activation order and restore the model(s) exactly.
+
+        Raises:
+            ModelBusyError: a request or forward is active.
+            AccelerationRestoreError: a plugin's undo failed; the structure was still restored from the
+                install-time snapshot and the session is detached.
+        """
+        if not self.installed:
+            return
+        with self._guard.mutation("uninstall accelerations"):
+            report = self.execution_report()
+            report["installed"] = False
+            errors = deactivate_all(self._active)
+            self._guard.remove_listener(self)
+            for model in self._targets.values():
+                if model.__dict__.get(SESSION_ATTRIBUTE) is self:
+                    del model.__dict__[SESSION_ATTRIBUTE]
+            for label, snapshot in self._snapshots.items():
+                diffs = snapshot.restore()
+                if diffs:
+                    logger.warning("uninstall restored drift on %s: %s", label, diffs)
+                    self.restore_differences.extend(f"{label}: {d}" for d in diffs)
+            self._final_report = report
+            self._active.clear()
+            self._snapshots.clear()
+            self._targets.clear()
+        gc.collect()
+        if errors:
+            raise AccelerationRestoreError(errors)
+
+    def __repr__(self) -> str:
+        state = "installed" if self.installed else "uninstalled"
+        return f"AccelerationSession({list(self.names)}, {state})"
+
+
+def deactivate_all(active: list[ActiveAcceleration]) -> list[BaseException]:
+    """Deactivate in reverse order, continuing past failures. Returns the errors."""
+    errors: list[BaseException] = []
+    for entry in reversed(active):
+        try:
+            entry.handle.deactivate()
+        except Exception as exc:
+            logger.error("deactivating %s (%s) failed: %s", entry.name, entry.expert, exc)
+            errors.append(exc)
+    return errors
+
+
+def get_session(model: nn.Module) -> AccelerationSession | None:
+    return model.__dict__.get(SESSION_ATTRIBUTE)
+
+
+def runtime_optimization_report(model: nn.Module) -> dict[str, Any]:
+    """The model-level aggregation: install receipt, per-plugin execution reports and guard state."""
+    session = get_session(model)
+    guard = get_request_guard(model)
+    report: dict[str, Any] = {
+        "installed": session.receipt.to_json() if session is not None else None,
+        "execution_verified": False,
+        "plugins": session.execution_report()["plugins"] if session is not None else {},
+    }
+    if guard is not None:
+        report["guard"] = {"active_request_ids": list(guard.active_request_ids()), "active_forwards": guard.active_forwards}
+    return report

@@ -1,0 +1,219 @@
+"""``RuntimePolicy``: the frozen description of where and how a model runs, and which accelerations it gets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+import torch
+
+from worldfoundry.errors import PolicyError
+
+#: Option keys a policy understands. Unknown keys are rejected so typos never pass silently.
+KNOWN_OPTION_KEYS: Final[frozenset[str]] = frozenset(
+    {
+        "accelerations",  # mapping name -> options mapping (or True for defaults)
+        "dit_weight_dtype",  # dtype for DiT weights (fp32 modules stay fp32)
+        "text_encoder_dtype",  # dtype for text encoders
+        "vae_dtype",  # dtype for the video codec
+        "vae_fp8_calibration",  # LightVAE FP8 encoder calibration artifact path
+        "progress",  # bool: show tqdm progress bars
+    }
+)
+
+_DTYPE_ALIASES: Final[dict[str, torch.dtype]] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(value: Any, *, field_name: str = "dtype") -> torch.dtype:
+    """Turn ``torch.float32`` / ``"bf16"`` / ``"torch.bfloat16"`` into a floating ``torch.dtype``.
+
+    Raises:
+        PolicyError: the value names no floating dtype.
+    """
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise PolicyError(f"{field_name}: {value} is not a floating dtype; use one of {sorted(_DTYPE_ALIASES)}")
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[key]
+    raise PolicyError(f"{field_name}: cannot interpret {value!r} as a dtype; use one of {sorted(_DTYPE_ALIASES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_device(value: Any) -> torch.device:
+    """Parse a device string or object. Raises :class:`PolicyError` naming the bad value."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except (RuntimeError, ValueError) as exc:
+            raise PolicyError(f"device: cannot interpret {value!r} ({exc}); use e.g. 'cpu', 'cuda', 'cuda:1'") from exc
+    raise PolicyError(f"device: expected a string or torch.device, got {type(value).__name__}")
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Return plain ``dict``/``list`` copies of a frozen options structure (for JSON and for plugins)."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    return value
+
+
+def normalize_acceleration_spec(spec: Any, *, where: str = "accelerations") -> dict[str, dict[str, Any]]:
+    """Validate an accelerations mapping and return ``{name: options dict}``.
+
+    ``True`` means "defaults" (empty options); ``False``/``None`` drop the entry.
+
+    Raises:
+        PolicyError: the spec is not a mapping of names to mappings / booleans.
+    """
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise PolicyError(f"{where}: expected a mapping name -> options, got {type(spec).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, opts in spec.items():
+        if not isinstance(name, str) or not name:
+            raise PolicyError(f"{where}: acceleration names must be non-empty strings, got {name!r}")
+        if opts is True:
+            out[name] = {}
+        elif opts is False or opts is None:
+            continue
+        elif isinstance(opts, Mapping):
+            out[name] = thaw(opts)
+        else:
+            raise PolicyError(
+                f"{where}.{name}: expected an options mapping or true, got {type(opts).__name__} ({opts!r})"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    """Where a model runs and which runtime options apply.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``.
+        dtype: compute dtype (``torch.bfloat16`` or ``"bf16"`` etc.).
+        options: runtime options; keys must be in :data:`KNOWN_OPTION_KEYS`.
+
+    Example:
+        >>> policy = RuntimePolicy(device="cpu", dtype="fp32",
+        ...                        options={"accelerations": {"easycache": {"threshold": 0.0}}})
+        >>> policy.accelerations
+        {'easycache': {'threshold': 0.0}}
+    """
+
+    device: Any = "cpu"
+    dtype: Any = torch.float32
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", parse_device(self.device))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if not isinstance(self.options, Mapping):
+            raise PolicyError(f"options: expected a mapping, got {type(self.options).__name__}")
+        unknown = sorted(set(self.options) - KNOWN_OPTION_KEYS)
+        if unknown:
+            raise PolicyError(
+                f"options: unknown key(s) {unknown}; known keys: {sorted(KNOWN_OPTION_KEYS)}"
+            )
+        opts = dict(self.options)
+        if "accelerations" in opts:
+            opts["accelerations"] = normalize_acceleration_spec(opts["accelerations"], where="options.accelerations")
+        for key in ("dit_weight_dtype", "text_encoder_dtype", "vae_dtype"):
+            if key in opts and opts[key] is not None:
+                opts[key] = parse_dtype(opts[key], field_name=f"options.{key}")
+        if "progress" in opts and not isinstance(opts["progress"], bool):
+            raise PolicyError(f"options.progress: expected true/false, got {opts['progress']!r}")
+        if "vae_fp8_calibration" in opts and opts["vae_fp8_calibration"] is not None:
+            if not isinstance(opts["vae_fp8_calibration"], str | os.PathLike):
+                raise PolicyError("options.vae_fp8_calibration: expected a file path")
+            opts["vae_fp8_calibration"] = os.fspath(opts["vae_fp8_calibration"])
+        object.__setattr__(self, "options", _freeze(opts))
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def accelerations(self) -> dict[str, dict[str, Any]]:
+        """The acceleration spec as plain ``{name: options}`` dicts (a fresh copy)."""
+        return thaw(self.options.get("accelerations", {}))
+
+    def option(self, key: str, default: Any = None) -> Any:
+        if key not in KNOWN_OPTION_KEYS:
+            raise PolicyError(f"unknown option {key!r}; known keys: {sorted(KNOWN_OPTION_KEYS)}")
+        return self.options.get(key, default)
+
+    def replace(self, **changes: Any) -> RuntimePolicy:
+        """A copy with some fields changed; ``options`` given here are merged over the current ones."""
+        options = thaw(self.options)
+        options.update(changes.pop("options", {}))
+        return RuntimePolicy(
+            device=changes.pop("device", self.device), dtype=changes.pop("dtype", self.dtype), options=options
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": str(self.device), "dtype": dtype_name(self.dtype), "options": thaw(self.options)}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, path_or_mapping: str | os.PathLike[str] | Mapping[str, Any]) -> RuntimePolicy:
+        """Build a policy from a YAML/JSON file or a mapping (read through OmegaConf).
+
+        The top level holds ``device``, ``dtype`` and ``options``.
+
+        Raises:
+            PolicyError: unreadable file, unknown top-level key or invalid field.
+        """
+        from omegaconf import OmegaConf
+
+        try:
+            if isinstance(path_or_mapping, Mapping):
+                conf = OmegaConf.create(thaw(path_or_mapping))
+            else:
+                conf = OmegaConf.load(os.fspath(path_or_mapping))
+            data = OmegaConf.to_container(conf, resolve=True)
+        except (OSError, ValueError, TypeError) as exc:
+            raise PolicyError(f"cannot read policy config {path_or_mapping!r}: {exc}") from exc
+        except Exception as exc:  # OmegaConf raises its own error types for syntax problems
+            raise PolicyError(f"cannot read policy config {path_or_mapping!r}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy config {path_or_mapping!r}: the top level must be a mapping")
+        unknown = sorted(set(data) - {"device", "dtype", "options"})
+        if unknown:
+            raise PolicyError(f"policy config: unknown top-level key(s) {unknown}; known: device, dtype, options")
+        return cls(
+            device=data.get("device", "cpu"),
+            dtype=data.get("dtype", "float32"),
+            options=data.get("options") or {},
+        )
