@@ -17,6 +17,17 @@ ROOT_MODULE: Final = "<root>"
 ROLE_PREFIX: Final = "role:"
 
 
+#: Well-known roles. Plugins claim the roles they take and list the roles they cannot run beside in
+#: ``incompatible_with``, so conflicts are found without plugins importing each other.
+ROLE_FEATURE_CACHE: Final = "role:feature_cache"  # step/block output caching (EasyCache, FirstBlockCache)
+ROLE_STATIC_KV_CACHE: Final = "role:static_kv_cache"  # per-request cached cross-attention K/V
+ROLE_OFFLOAD: Final = "role:offload"  # block weights leave the compute device between uses
+ROLE_QUANTIZATION: Final = "role:quantization"  # weights executed in another precision (FP8, INT4)
+ROLE_APPROXIMATE_ATTENTION: Final = "role:approximate_attention"  # attention kernels with new rounding/sparsity
+ROLE_ATTENTION_ADAPTER: Final = "role:attention_adapter"  # LoRA-style adapters on attention projections
+ROLE_WEIGHT_VIEW: Final = "role:weight_view"  # the model is an inference view of changed weights
+
+
 def role(name: str) -> str:
     """The claim string for a role (``role("offload") == "role:offload"``)."""
     return ROLE_PREFIX + name
