@@ -1,0 +1,124 @@
+"""The native runner: one denoise loop for every model family.
+
+Per request: encode the conditioning once, draw seeded noise, set the scheduler (with the request's shift),
+prepare the routed schedule, then per step pick the expert by the boundary and call the denoiser once per
+CFG branch (``"cond"`` first, then ``"uncond"``) inside a :class:`RequestContext` carrying the request id,
+branch, step, timestep and expert; combine CFG in float32; step the scheduler. The request is always ended
+and ownership released in ``finally`` (also on exceptions and ``KeyboardInterrupt``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from worldfoundry.base_models.diffusion_model.denoiser import Denoiser
+from worldfoundry.base_models.diffusion_model.drivers import PreparedInputs, guidance_for
+from worldfoundry.base_models.diffusion_model.request import DiffusionRequest
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+SHIFT_KEYS = ("shift", "flow_shift")
+
+
+@dataclass
+class RunOutput:
+    latents: torch.Tensor
+    prepared: PreparedInputs
+    schedule: dict[str, Any]
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fresh_scheduler(base: Any, flow_shift: float | None) -> Any:
+    """A new scheduler per request (schedulers keep history); the request's shift overrides the recipe's."""
+    config = dict(base.config)
+    if flow_shift is not None:
+        keys = [k for k in SHIFT_KEYS if k in config]
+        if not keys:
+            raise InvalidRequestError(f"flow_shift: scheduler {type(base).__name__} has no shift setting")
+        for key in keys:
+            config[key] = float(flow_shift)
+    return type(base).from_config(config)
+
+
+class NativeRunner:
+    """Runs :class:`DiffusionRequest` s through a :class:`Denoiser` with a family driver."""
+
+    def __init__(self, denoiser: Denoiser, driver: Any, scheduler: Any, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.denoiser = denoiser
+        self.driver = driver
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = dtype
+
+    def run(self, request: DiffusionRequest, *, progress: bool = False) -> RunOutput:
+        """Denoise one request (which must already carry its defaults and an id)."""
+        if request.num_inference_steps is None or request.request_id is None:
+            raise InvalidRequestError("run() needs a request with defaults applied (num_inference_steps, request_id)")
+        self.driver.validate(request)
+        rid = request.request_id
+        steps = request.num_inference_steps
+        cfg = request.guidance_scale is not None and request.guidance_scale > 1.0
+        t_start = time.perf_counter()
+        scheduler = fresh_scheduler(self.scheduler, request.flow_shift)
+        scheduler.set_timesteps(steps, device=self.device)
+        timesteps = scheduler.timesteps
+        if len(timesteps) != steps:
+            raise InvalidRequestError(f"scheduler produced {len(timesteps)} timesteps for {steps} steps")
+        num_train = int(scheduler.config.num_train_timesteps)
+        schedule = self.denoiser.build_schedule(timesteps.tolist(), num_train)
+        expert_order = list(self.denoiser.experts)
+        timings: dict[str, Any] = {"steps_s": []}
+
+        self.denoiser.begin_request(rid)
+        completed = False
+        try:
+            with torch.no_grad():
+                prepared = self.driver.prepare(request, self.device, self.dtype, cfg)
+            _sync(self.device)
+            timings["encode_s"] = time.perf_counter() - t_start
+            self.denoiser.prepare_request_schedule(rid, schedule)
+            latents = prepared.latents
+            branches = ["cond", "uncond"] if cfg else ["cond"]
+            t_loop = time.perf_counter()
+            for i, t in enumerate(tqdm(timesteps, total=steps, disable=not progress, desc=rid, leave=False)):
+                t_step = time.perf_counter()
+                placement = schedule.locate(i)
+                scale = guidance_for(request, expert_order.index(placement.expert))
+                outputs = {}
+                for branch in branches:
+                    ctx = RequestContext(rid, branch, i, float(t), placement.expert, steps,
+                                         placement.expert_step_index, placement.expert_phase_length)
+                    kwargs = self.driver.model_kwargs(prepared, latents, t, branch, self.dtype)
+                    with request_scope(ctx):
+                        out = self.denoiser(placement.expert, **kwargs)
+                    outputs[branch] = self.driver.velocity_for(prepared, out)
+                if cfg:
+                    velocity = outputs["uncond"] + scale * (outputs["cond"] - outputs["uncond"])
+                else:
+                    velocity = outputs["cond"]
+                latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+                _sync(self.device)
+                timings["steps_s"].append(time.perf_counter() - t_step)
+            timings["denoise_s"] = time.perf_counter() - t_loop
+            completed = True
+        finally:
+            if completed:
+                self.denoiser.end_request(rid)
+            else:
+                self.denoiser.abort_request(rid)
+        timings["run_s"] = time.perf_counter() - t_start
+        return RunOutput(latents, prepared, schedule.to_json(), timings)

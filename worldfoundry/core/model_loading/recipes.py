@@ -1,0 +1,188 @@
+"""Recipes: one YAML file per model (``recipes/<name>.yaml``), read with OmegaConf.
+
+A recipe names the model family, its components (tokenizer, text encoder, optional image encoder,
+denoiser with one or two experts, scheduler, codec) with their classes and configs, request defaults and
+the accelerations that apply. ``offline: true`` recipes build random seeded weights and a local
+tokenizer, so they need no file at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from worldfoundry.errors import RecipeError, UnknownRecipeError
+
+RECIPES_ENV: Final = "WORLDFOUNDRY_RECIPES"
+FAMILIES: Final = ("wan", "sana_video", "minimax_h3")
+MODES: Final = ("t2v", "i2v", "ti2v", "session")
+
+
+def recipe_dirs() -> list[Path]:
+    """Where recipes are looked for: ``$WORLDFOUNDRY_RECIPES`` (``os.pathsep``-separated), the project's
+    ``recipes/`` directory, and ``./recipes``."""
+    dirs: list[Path] = []
+    env = os.environ.get(RECIPES_ENV)
+    if env:
+        dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
+    dirs.append(Path(__file__).resolve().parents[3] / "recipes")
+    dirs.append(Path.cwd() / "recipes")
+    seen: list[Path] = []
+    for d in dirs:
+        if d.is_dir() and d.resolve() not in [s.resolve() for s in seen]:
+            seen.append(d)
+    return seen
+
+
+def project_root() -> Path:
+    """The directory holding ``recipes/`` (the project checkout for editable installs)."""
+    dirs = recipe_dirs()
+    return dirs[0].parent if dirs else Path.cwd()
+
+
+def available_recipes() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for path in sorted(d.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One component: a class path, its config and where its weights live in a diffusers directory."""
+
+    name: str
+    class_path: str | None = None
+    config_class: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    subfolder: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.extra.get(key, default)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    family: str
+    mode: str
+    description: str
+    offline: bool
+    seed: int
+    hf_repo: str | None
+    components: Mapping[str, ComponentSpec]
+    experts: tuple[str, ...]
+    expert_subfolders: tuple[str, ...]
+    boundary_ratio: float | None
+    defaults: Mapping[str, Any]
+    accelerations: tuple[str, ...]
+    path: Path | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def denoiser(self) -> ComponentSpec:
+        return self.components["denoiser"]
+
+    def component(self, name: str) -> ComponentSpec | None:
+        return self.components.get(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path) if self.path else None, **dict(self.raw)}
+
+
+_TOP_KEYS = {"name", "family", "mode", "description", "offline", "seed", "hf_repo", "components", "defaults",
+             "accelerations"}
+_COMPONENT_KEYS = {"class", "config_class", "config", "subfolder"}
+
+
+def _parse_component(recipe: str, name: str, data: Any) -> ComponentSpec:
+    if not isinstance(data, Mapping):
+        raise RecipeError(f"recipe {recipe!r}: components.{name} must be a mapping")
+    extra = {k: v for k, v in data.items() if k not in _COMPONENT_KEYS}
+    config = data.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise RecipeError(f"recipe {recipe!r}: components.{name}.config must be a mapping")
+    return ComponentSpec(name, data.get("class"), data.get("config_class"), dict(config), data.get("subfolder"), extra)
+
+
+def parse_recipe(data: Mapping[str, Any], *, path: Path | None = None) -> Recipe:
+    """Validate a recipe mapping. Raises :class:`RecipeError` naming the recipe and the bad field."""
+    name = str(data.get("name") or (path.stem if path else "<inline>"))
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise RecipeError(f"recipe {name!r}: unknown top-level key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
+    family = data.get("family")
+    if family not in FAMILIES:
+        raise RecipeError(f"recipe {name!r}: family must be one of {FAMILIES}, got {family!r}")
+    mode = data.get("mode", "t2v")
+    if mode not in MODES:
+        raise RecipeError(f"recipe {name!r}: mode must be one of {MODES}, got {mode!r}")
+    comps_raw = data.get("components")
+    if not isinstance(comps_raw, Mapping) or "denoiser" not in comps_raw:
+        raise RecipeError(f"recipe {name!r}: components must be a mapping with at least a denoiser")
+    components = {k: _parse_component(name, k, v) for k, v in comps_raw.items()}
+    den = components["denoiser"]
+    experts_raw = den.get("experts") or [{"name": "model", "subfolder": den.subfolder or "transformer"}]
+    if not isinstance(experts_raw, list) or not 1 <= len(experts_raw) <= 2:
+        raise RecipeError(f"recipe {name!r}: components.denoiser.experts must list one or two experts")
+    experts = tuple(str(e["name"]) for e in experts_raw)
+    subfolders = tuple(str(e.get("subfolder") or "transformer") for e in experts_raw)
+    boundary = den.get("boundary_ratio")
+    if len(experts) == 2 and boundary is None:
+        raise RecipeError(f"recipe {name!r}: two experts need components.denoiser.boundary_ratio")
+    if boundary is not None and not 0.0 < float(boundary) < 1.0:
+        raise RecipeError(f"recipe {name!r}: boundary_ratio must be in (0, 1), got {boundary}")
+    defaults = dict(data.get("defaults") or {})
+    for key in ("num_frames", "height", "width", "num_inference_steps"):
+        if key in defaults and (not isinstance(defaults[key], int) or defaults[key] <= 0):
+            raise RecipeError(f"recipe {name!r}: defaults.{key} must be a positive integer")
+    accelerations = data.get("accelerations") or []
+    return Recipe(
+        name=name,
+        family=family,
+        mode=mode,
+        description=str(data.get("description", "")),
+        offline=bool(data.get("offline", False)),
+        seed=int(data.get("seed", 0)),
+        hf_repo=data.get("hf_repo"),
+        components=components,
+        experts=experts,
+        expert_subfolders=subfolders,
+        boundary_ratio=float(boundary) if boundary is not None else None,
+        defaults=defaults,
+        accelerations=tuple(str(a) for a in accelerations),
+        path=path,
+        raw=dict(data),
+    )
+
+
+def load_recipe(name_or_path: str | os.PathLike[str]) -> Recipe:
+    """Load a recipe by name (``"tiny-wan2.1"``) or by path to a YAML file.
+
+    Raises:
+        UnknownRecipeError: no recipe of that name (the message lists the known ones).
+        RecipeError: the file is malformed.
+    """
+    from omegaconf import OmegaConf
+
+    candidate = Path(os.fspath(name_or_path))
+    if candidate.suffix in (".yaml", ".yml") and candidate.is_file():
+        path = candidate
+    else:
+        known = available_recipes()
+        key = str(name_or_path)
+        if key not in known:
+            raise UnknownRecipeError(key, known)
+        path = known[key]
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as exc:  # OmegaConf raises several error types for malformed YAML
+        raise RecipeError(f"cannot read recipe file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file {path}: the top level must be a mapping")
+    return parse_recipe(data, path=path)
