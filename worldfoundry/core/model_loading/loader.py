@@ -28,7 +28,7 @@ from worldfoundry.core.model_loading.weights import (
     load_pretrained,
     load_single_file,
 )
-from worldfoundry.errors import RecipeError
+from worldfoundry.errors import MissingWeightsError, RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,9 @@ def load_components(
     unknown = sorted(set(overrides) - known_override_keys)
     if unknown:
         raise RecipeError(f"checkpoint_overrides: unknown component(s) {unknown}; known: {sorted(known_override_keys)}")
+    for key, value in overrides.items():  # fail before loading anything
+        if not os.path.isfile(os.fspath(value)):
+            raise MissingWeightsError(recipe.name, key, [os.fspath(value)], "Check the checkpoint_overrides path.")
     random = recipe.offline or random_weights
     ckpt = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     device = policy.device
@@ -201,8 +204,6 @@ def _load_text_side(loaded: LoadedComponents, recipe: Recipe, policy: RuntimePol
 
 def _load_pretrained_tokenizer(recipe: Recipe, spec: ComponentSpec, ckpt: str | None) -> Any:
     from transformers import AutoTokenizer
-
-    from worldfoundry.errors import MissingWeightsError
 
     looked_at = []
     for location in ([ckpt] if ckpt else []) + ([recipe.hf_repo] if recipe.hf_repo else []):
