@@ -1,0 +1,244 @@
+"""The benchmark harness: verdict paths with small test-only plugins, schema errors, provenance, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from worldfoundry.bench import harness
+from worldfoundry.bench.candidates import parse_candidates
+from worldfoundry.bench.harness import BenchConfig, DirtyTreeError, run_bench
+from worldfoundry.bench.metrics import frame_ssim, psnr, relative_l2
+from worldfoundry.bench.provenance import git_state
+from worldfoundry.bench.report import write_report
+from worldfoundry.bench.stats import bootstrap_ci, decide
+from worldfoundry.core.acceleration.handle import RecordedHandle
+from worldfoundry.core.acceleration.patching import PatchRecorder
+from worldfoundry.core.acceleration.prepared import PreparedAcceleration
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.errors import AccelerationOptionsError, CandidateSchemaError
+
+TARGET = "blocks.0.ffn"
+
+
+@dataclass(frozen=True)
+class ScaleOptions:
+    factor: float = 1.0
+    record: bool = True
+
+    @classmethod
+    def from_mapping(cls, options: Any) -> ScaleOptions:
+        unknown = set(options) - {"factor", "record"}
+        if unknown:
+            raise AccelerationOptionsError("scale", f"unknown option(s) {sorted(unknown)}")
+        opts = cls(**options)
+        if opts.factor < 0:
+            raise AccelerationOptionsError("scale", f"factor: must be >= 0, got {opts.factor}")
+        return opts
+
+
+def _scale_factory(name: str, *, exact: bool, nan: bool = False, fail: bool = False):
+    def prepare(model, options, policy):
+        opts = ScaleOptions.from_mapping(options)
+
+        def activate():
+            if fail:
+                raise RuntimeError("activation refused by the test plugin")
+            with PatchRecorder() as rec:
+                handle = RecordedHandle(name, PatchRecorder())
+                module = model.get_submodule(TARGET)
+
+                def make(orig):
+                    def forward(hidden_states, *args, **kwargs):
+                        out = orig(hidden_states, *args, **kwargs)
+                        if opts.record:
+                            handle.ledger.executed(TARGET, "kernel")
+                        if nan:
+                            return out * float("nan")
+                        return out if opts.factor == 1.0 else out * opts.factor
+                    return forward
+
+                rec.wrap_forward(module, make, name=name)
+                handle.patches = rec.pop_all()
+            return handle
+
+        return PreparedAcceleration(name=name, claims={TARGET}, activate=activate, options=dict(options), exact=exact)
+
+    prepare.options_class = ScaleOptions
+    return prepare
+
+
+@pytest.fixture
+def registry() -> AccelerationRegistry:
+    reg = AccelerationRegistry(discover=False)
+    reg.register("exact_test", _scale_factory("exact_test", exact=True))
+    reg.register("approx_test", _scale_factory("approx_test", exact=False))
+    reg.register("nan_test", _scale_factory("nan_test", exact=False, nan=True))
+    reg.register("fail_test", _scale_factory("fail_test", exact=False, fail=True))
+    reg.register("liar_test", _scale_factory("liar_test", exact=True))
+    return reg
+
+
+def _write(tmp_path: Path, candidates: list[dict], **extra: Any) -> Path:
+    data = {"workload": {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 2,
+                         "guidance": 5.0, "seeds": [1]}, "candidates": candidates, **extra}
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_verdict_for_each_path(tmp_path: Path, registry: AccelerationRegistry) -> None:
+    path = _write(tmp_path, [
+        {"name": "exact", "accelerations": {"exact_test": {}}},
+        {"name": "never", "accelerations": {"exact_test": {"record": False}}},
+        {"name": "nan", "accelerations": {"nan_test": {}}},
+        {"name": "fails", "accelerations": {"fail_test": {}}},
+        {"name": "tradeoff", "accelerations": {"approx_test": {"factor": 3.0}}},
+        {"name": "liar", "accelerations": {"liar_test": {"factor": 1.01}}},
+    ])
+    out = tmp_path / "out"
+    results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(out), rounds=3,
+                                    progress=False), registry=registry)
+    verdicts = {c["name"]: c["verdict"] for c in results["candidates"]}
+    assert verdicts["exact"] in ("recommended", "no_stable_gain")
+    assert verdicts["never"] == "invalid_not_executed"
+    assert verdicts["nan"] == "invalid_nonfinite"
+    assert verdicts["fails"] == "rejected_at_install"
+    assert verdicts["tradeoff"] == "measured_quality_tradeoff"
+    assert verdicts["liar"] == "invalid_exactness_claim"
+    by = {c["name"]: c for c in results["candidates"]}
+    assert by["exact"]["quality"]["worst"]["bitwise_equal"] is True
+    assert len(by["exact"]["speed"]["speedups"]) == 3 and by["tradeoff"]["speed"] is not None
+    assert "never executed" in " ".join(by["never"]["missing"])
+    assert "activation refused" in by["fails"]["error"]
+    # the harness itself must not change the model
+    assert results["dense"]["stable_after_candidates"] is True
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["candidates"][0]["quality"]["worst"]["psnr_db"] == "inf"
+    for key in ("revision", "dirty"):
+        assert key in saved["git"]
+    for key in ("python", "torch", "diffusers", "device"):
+        assert key in saved["environment"]
+    assert saved["inputs"][0]["path"] == str(path) and "size" in saved["inputs"][0] and "mtime" in saved["inputs"][0]
+    assert saved["random_weights"] is True
+    report = (out / "report.md").read_text()
+    assert "| exact |" in report and "rejected_at_install" in report and "Random weights" in report
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "quality_vs_speed.png").stat().st_size > 1000
+
+
+def test_quality_only_skips_timing(tmp_path: Path, registry: AccelerationRegistry) -> None:
+    path = _write(tmp_path, [{"name": "exact", "accelerations": {"exact_test": True}}])
+    results = run_bench(BenchConfig(candidates=str(path), out=str(tmp_path / "o"), quality_only=True,
+                                    progress=False), registry=registry)
+    assert results["candidates"][0]["verdict"] == "quality_only"
+    assert results["candidates"][0]["speed"] is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path"),
+    [
+        (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(factor="big"),
+         "candidates[0].accelerations.exact_test.factor: expected number"),
+        (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(colour=1),
+         "candidates[0].accelerations.exact_test.colour: unknown option"),
+        (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(factor=-1.0),
+         "candidates[0].accelerations.exact_test.factor: must be >= 0"),
+        (lambda d: d["candidates"].append({"name": "x", "accelerations": {"nope": {}}}),
+         "candidates[1].accelerations.nope: unknown acceleration"),
+        (lambda d: d["workload"].update(steps="four"), "workload.steps: expected integer"),
+        (lambda d: d["workload"].update(seeds=[1, "2"]), "workload.seeds[1]: expected integer"),
+        (lambda d: d.update(quality_budget={"psnr_db": "high"}), "quality_budget.psnr_db: expected number"),
+        (lambda d: d.update(timing={"rounds": 2}), "timing.rounds: at least 3"),
+        (lambda d: d["candidates"].append({"name": "b", "accelerations": {"exact_test": 3}}),
+         "candidates[1].accelerations.exact_test: expected an options object"),
+        (lambda d: d["candidates"].append(dict(d["candidates"][0])), "candidates[1].name: duplicate"),
+        (lambda d: d.update(extra=1), "$.extra: unknown key"),
+    ],
+)
+def test_schema_errors_name_the_json_path(registry: AccelerationRegistry, mutate, path: str) -> None:
+    data = {"workload": {"steps": 2, "seeds": [1]}, "candidates": [{"name": "a", "accelerations": {"exact_test": {}}}]}
+    mutate(data)
+    with pytest.raises(CandidateSchemaError) as info:
+        parse_candidates(data, registry=registry)
+    assert str(info.value).startswith(path), str(info.value)
+
+
+def test_schema_error_before_loading_anything(tmp_path: Path, registry: AccelerationRegistry, monkeypatch) -> None:
+    path = _write(tmp_path, [{"name": "a", "accelerations": {"exact_test": {"factor": "x"}}}])
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model must not be loaded for an invalid candidate file")
+
+    monkeypatch.setattr(harness.NativeDiffusionPipeline, "from_pretrained", no_load)
+    with pytest.raises(CandidateSchemaError):
+        run_bench(BenchConfig(candidates=str(path), out=str(tmp_path / "o"), progress=False), registry=registry)
+
+
+def test_dirty_tree_is_marked_and_can_be_refused(tmp_path: Path, registry: AccelerationRegistry, monkeypatch) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    (repo / "a.txt").write_text("1")
+    subprocess.run(["git", "add", "a.txt"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "x"], cwd=repo, check=True)
+    assert git_state(repo)["dirty"] is False
+    (repo / "a.txt").write_text("2")
+    state = git_state(repo)
+    assert state["dirty"] is True and state["changed"] == ["a.txt"] and len(state["revision"]) == 40
+    monkeypatch.setattr(harness, "git_state", lambda root: state)
+    path = _write(tmp_path, [{"name": "a", "accelerations": {"exact_test": {}}}])
+    with pytest.raises(DirtyTreeError):
+        run_bench(BenchConfig(candidates=str(path), out=str(tmp_path / "o"), require_clean=True, progress=False),
+                  registry=registry)
+    results = run_bench(BenchConfig(candidates=str(path), out=str(tmp_path / "o"), quality_only=True,
+                                    progress=False), registry=registry)
+    assert results["git"]["dirty"] is True
+    assert "DIRTY TREE" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_metrics_against_hand_computed_values() -> None:
+    ref = torch.tensor([3.0, 4.0])
+    assert relative_l2(torch.tensor([3.0, 4.0]), ref) == 0.0
+    assert math.isclose(relative_l2(torch.tensor([3.0, 5.0]), ref), 1.0 / 5.0)
+    a = np.zeros((1, 8, 8, 3), dtype=np.uint8)
+    b = a.copy()
+    assert psnr(a, b) == math.inf
+    b[...] = 10  # MSE = 100 -> PSNR = 10 log10(255^2 / 100)
+    assert math.isclose(psnr(b, a), 10 * math.log10(255.0**2 / 100.0))
+    rng = np.random.RandomState(0)
+    frames = rng.randint(0, 256, size=(3, 16, 16, 3)).astype(np.uint8)
+    assert frame_ssim(frames, frames) == [1.0, 1.0, 1.0]
+    noisy = np.clip(frames.astype(int) + rng.randint(-40, 40, frames.shape), 0, 255).astype(np.uint8)
+    assert all(0.0 < s < 1.0 for s in frame_ssim(noisy, frames))
+
+
+def test_bootstrap_ci_shape_and_decisions() -> None:
+    ratios = [1.10, 1.12, 1.08, 1.11, 1.09]
+    low, high = bootstrap_ci(ratios)
+    assert low <= float(np.median(ratios)) <= high and low > 1.0
+    assert bootstrap_ci([1.0, 1.0, 1.0]) == (1.0, 1.0)
+    speed = {"ci95": [1.02, 1.2]}
+    kw = dict(installed=True, finite=True, executed=True, exact_ok=True, timing_ok=True, quality_ok=True,
+              speed=speed, gpu_shared=False)
+    assert decide(**kw) == "recommended"
+    assert decide(**{**kw, "speed": {"ci95": [0.97, 1.1]}}) == "no_stable_gain"
+    assert decide(**{**kw, "quality_ok": False}) == "measured_quality_tradeoff"
+    assert decide(**{**kw, "gpu_shared": True}) == "refused_shared_gpu"
+    assert decide(**{**kw, "timing_ok": False}) == "invalid_timing_mismatch"
+
+
+def test_report_renders_without_timing(tmp_path: Path) -> None:
+    results = {"model": "m", "git": {"revision": "abc", "dirty": False}, "environment": {"device": "cpu"},
+               "budget": {"latent_rel_l2": 0.03, "psnr_db": 33.0, "min_ssim": 0.98}, "workload": {},
+               "seeds": [1], "rounds": 0, "dense": {}, "candidates": [
+                   {"name": "x", "verdict": "rejected_at_install", "accelerations": {"a": {}}, "error": "boom"}]}
+    text = write_report(results, tmp_path).read_text()
+    assert "rejected_at_install" in text and "boom" in text

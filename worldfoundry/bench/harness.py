@@ -1,0 +1,271 @@
+"""The benchmark run: dense pilots, then per candidate install -> pilot -> quality -> execution proof ->
+interleaved paired timing -> verdict; finally results.json, report.md and plots."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from worldfoundry.bench.candidates import Candidate, CandidateFile, load_candidates
+from worldfoundry.bench.execution import prove_execution
+from worldfoundry.bench.metrics import quality, relative_l2, within_budget
+from worldfoundry.bench.provenance import (
+    GpuSharingMonitor,
+    artifact_paths,
+    environment,
+    file_stat,
+    git_state,
+    tree_stats,
+)
+from worldfoundry.bench.report import write_plots, write_report, write_results
+from worldfoundry.bench.stats import decide, summarize_speed
+from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
+from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
+from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.core.model_loading.recipes import project_root, recipe_dirs
+from worldfoundry.errors import WorldFoundryError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny-wan2.1"
+TIMING_RTOL = 1e-6
+
+
+def default_candidates_path() -> Path:
+    for d in recipe_dirs():
+        path = d / "candidates" / "default.json"
+        if path.is_file():
+            return path
+    return project_root() / "recipes" / "candidates" / "default.json"
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    candidates: str | None = None
+    out: str = "bench_out"
+    checkpoint_dir: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    rounds: int | None = None
+    seeds: list[int] | None = None
+    quality_only: bool = False
+    random_weights: bool = False
+    require_clean: bool = False
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DirtyTreeError(WorldFoundryError, RuntimeError):
+    """``--require-clean`` was given and the checkout has uncommitted changes."""
+
+
+class _Runner:
+    def __init__(self, pipe: NativeDiffusionPipeline, workload: dict[str, Any], decode: bool) -> None:
+        self.pipe = pipe
+        self.workload = workload
+        self.decode = decode
+        self.counter = 0
+
+    def request(self, seed: int, tag: str, *, decode: bool) -> DiffusionRequest:
+        self.counter += 1
+        w = self.workload
+        return DiffusionRequest(
+            prompt=w.get("prompt", "a red square moving left across a blue background"),
+            negative_prompt=w.get("negative_prompt"), num_frames=w.get("frames"), height=w.get("height"),
+            width=w.get("width"), num_inference_steps=w.get("steps"), guidance_scale=w.get("guidance"),
+            flow_shift=w.get("shift"), seed=seed, request_id=f"{tag}-s{seed}-{self.counter}",
+            output_type="np" if decode and self.decode else "latent", bundle=w.get("bundle"), progress=False,
+        )
+
+    def generate(self, seed: int, tag: str, *, decode: bool = False) -> Any:
+        return self.pipe.generate(self.request(seed, tag, decode=decode))
+
+
+def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None) -> dict[str, Any]:
+    """Run a benchmark and write its outputs to ``config.out``. Returns the results mapping.
+
+    Raises:
+        CandidateSchemaError: the candidate file is invalid (nothing was loaded).
+        DirtyTreeError: ``require_clean`` and the checkout is dirty.
+    """
+    registry = registry if registry is not None else diffusion_acceleration_registry()
+    candidates_path = config.candidates or str(default_candidates_path())
+    cfile = load_candidates(candidates_path, registry=registry)  # validated before loading anything
+    model = config.model or cfile.model or DEFAULT_MODEL
+    seeds = list(config.seeds or cfile.seeds)
+    rounds = int(config.rounds or cfile.rounds or 3)
+    if rounds < 3 and not config.quality_only:
+        raise ValueError(f"rounds: at least 3 interleaved paired rounds are required, got {rounds}")
+    git = git_state(project_root())
+    if git.get("dirty") and config.require_clean:
+        raise DirtyTreeError(f"the checkout has uncommitted changes ({git['changed'][:5]}); commit them or drop "
+                             "--require-clean")
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    policy = RuntimePolicy(device=config.device, dtype=config.dtype)
+    pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
+                                                   random_weights=config.random_weights, registry=registry)
+    try:
+        results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
+    finally:
+        pipe.close()
+    results["git"] = git
+    results["environment"] = environment(policy.device)
+    results["inputs"] = _inputs(candidates_path, config, cfile)
+    results["config"] = {"cli": asdict(config), "candidates_file": cfile.raw, "policy": policy.to_json()}
+    write_results(results, out_dir)
+    write_report(results, out_dir)
+    write_plots(results, out_dir)
+    return results
+
+
+def _inputs(candidates_path: str, config: BenchConfig, cfile: CandidateFile) -> list[dict[str, Any]]:
+    inputs = [file_stat(candidates_path)]
+    if config.checkpoint_dir:
+        inputs += tree_stats(config.checkpoint_dir)
+    inputs += [file_stat(p) for p in artifact_paths([c.accelerations for c in cfile.candidates])]
+    return inputs
+
+
+def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfig, model: str, seeds: list[int],
+         rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry) -> dict[str, Any]:
+    runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None)
+    monitor = GpuSharingMonitor(policy.device)
+    dense = {seed: runner.generate(seed, "dense-pilot", decode=True) for seed in seeds}
+    results: dict[str, Any] = {
+        "schema": "worldfoundry-bench-results-v1",
+        "created": datetime.now(timezone.utc).isoformat(),
+        "model": model,
+        "random_weights": pipe.components.random_weights,
+        "weights": pipe.components.weight_report(),
+        "workload": cfile.workload,
+        "budget": cfile.budget,
+        "seeds": seeds,
+        "rounds": 0 if config.quality_only else rounds,
+        "quality_only": config.quality_only,
+        "dense": {"pilot_timings": {str(s): dense[s].timings for s in seeds}},
+        "candidates": [],
+    }
+    steps_per_candidate = 1 + (0 if config.quality_only else rounds)
+    bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
+    for cand in cfile.candidates:
+        results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy, registry,
+                                               monitor, bar))
+    bar.close()
+    after = runner.generate(seeds[0], "dense-after")
+    results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
+    results["gpu_sharing"] = monitor.to_json()
+    if not results["dense"]["stable_after_candidates"]:
+        logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
+    return results
+
+
+def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
+              seeds: list[int], rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry,
+              monitor: GpuSharingMonitor, bar: Any) -> dict[str, Any]:
+    den = runner.pipe.components.denoiser
+    record: dict[str, Any] = {"name": cand.name, "accelerations": cand.accelerations, "notes": cand.notes}
+    try:
+        session = den.install(cand.accelerations, policy, registry=registry)
+    except Exception as exc:  # any install failure is a verdict, not a crash
+        record.update(verdict="rejected_at_install", error=f"{type(exc).__name__}: {exc}", executed=False)
+        bar.update(1 + (0 if config.quality_only else rounds))
+        return record
+    record["install"] = session.receipt.to_json()
+    record["exact_claimed"] = session.receipt.exact
+    try:
+        pilots, per_seed, proofs = {}, {}, {}
+        for seed in seeds:
+            res = runner.generate(seed, f"{cand.name}-pilot", decode=True)
+            pilots[seed] = res
+            per_seed[str(seed)] = quality(res.latents, dense[seed].latents, res.frames, dense[seed].frames)
+            proofs[str(seed)] = prove_execution(res.receipts.get("installed"), res.receipts.get("plugins", {}))
+        bar.update(1)
+        worst = _worst(per_seed)
+        checks = within_budget(worst, cfile.budget)
+        executed = all(p["executed"] for p in proofs.values())
+        record.update(
+            quality={"per_seed": per_seed, "worst": worst}, within_budget=checks, executed=executed,
+            execution={"per_seed": proofs}, missing=sorted({m for p in proofs.values() for m in p["missing"]}),
+            fallbacks=_merge([p["fallbacks"] for p in proofs.values()]),
+            skipped=_merge([p["skipped"] for p in proofs.values()]),
+        )
+        exact_ok = not record["exact_claimed"] or worst["bitwise_equal"]
+        speed, mismatches = None, []
+        if not config.quality_only and worst["finite"] and executed:
+            speed, mismatches, session = _time_pairs(cand, runner, dense, pilots, seeds, rounds, policy, registry,
+                                                     monitor, bar, session)
+        else:
+            bar.update(0 if config.quality_only else rounds)
+        record["speed"] = speed
+        record["timing_mismatch"] = mismatches
+        record["verdict"] = decide(installed=True, finite=worst["finite"], executed=executed, exact_ok=exact_ok,
+                                   timing_ok=not mismatches, quality_ok=all(checks.values()), speed=speed,
+                                   gpu_shared=monitor.shared)
+    except Exception as exc:
+        logger.exception("candidate %s failed while running", cand.name)
+        record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",
+                      missing=[f"a request raised {type(exc).__name__}: {exc}"])
+    finally:
+        if den.session is not None:
+            den.session.uninstall()
+    return record
+
+
+def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
+                rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
+                bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
+    """Interleaved pairs (dense, candidate) of the denoising loop; outputs checked against their pilots."""
+    den = runner.pipe.components.denoiser
+    dense_s, cand_s, mismatches = [], [], []
+    for r in range(rounds):
+        seed = seeds[r % len(seeds)]
+        session.uninstall()
+        monitor.sample()
+        d = runner.generate(seed, "dense-timed")
+        monitor.sample()
+        if not torch.equal(d.latents, dense[seed].latents):
+            mismatches.append(f"round {r}: dense output differs from its pilot")
+        session = den.install(cand.accelerations, policy, registry=registry)
+        monitor.sample()
+        c = runner.generate(seed, f"{cand.name}-timed")
+        monitor.sample()
+        if not torch.equal(c.latents, pilots[seed].latents):
+            err = relative_l2(c.latents, pilots[seed].latents)
+            if not err <= TIMING_RTOL:
+                mismatches.append(f"round {r}: candidate output differs from its pilot (rel L2 {err:.3g})")
+        dense_s.append(d.timings["denoise_s"])
+        cand_s.append(c.timings["denoise_s"])
+        bar.update(1)
+    return summarize_speed(dense_s, cand_s), mismatches, session
+
+
+def _worst(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    values = list(per_seed.values())
+    worst: dict[str, Any] = {
+        "latent_rel_l2": max(v["latent_rel_l2"] for v in values),
+        "bitwise_equal": all(v["bitwise_equal"] for v in values),
+        "finite": all(v["finite"] for v in values),
+    }
+    if all("psnr_db" in v for v in values):
+        worst["psnr_db"] = min(v["psnr_db"] for v in values)
+        worst["min_ssim"] = min(v["min_ssim"] for v in values)
+    return worst
+
+
+def _merge(items: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        for plugin, counts in item.items():
+            target = out.setdefault(plugin, {})
+            for key, n in counts.items():
+                target[key] = target.get(key, 0) + n
+    return out
+

@@ -1,0 +1,70 @@
+"""Paired-timing statistics and verdicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+VERDICTS = (
+    "recommended",
+    "measured_quality_tradeoff",
+    "no_stable_gain",
+    "quality_only",
+    "invalid_not_executed",
+    "invalid_nonfinite",
+    "invalid_timing_mismatch",
+    "invalid_exactness_claim",
+    "refused_shared_gpu",
+    "rejected_at_install",
+)
+
+
+def bootstrap_ci(ratios: list[float], *, confidence: float = 0.95, resamples: int = 4000,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap CI of the median of per-round speedups (``scipy.stats.bootstrap``)."""
+    data = np.asarray(ratios, dtype=np.float64)
+    if data.size == 0:
+        return (float("nan"), float("nan"))
+    if data.size == 1 or np.all(data == data[0]):
+        return (float(data[0]), float(data[0]))
+    res = stats.bootstrap((data,), np.median, confidence_level=confidence, n_resamples=resamples,
+                          method="percentile", random_state=np.random.default_rng(seed))
+    return (float(res.confidence_interval.low), float(res.confidence_interval.high))
+
+
+def summarize_speed(dense_s: list[float], cand_s: list[float]) -> dict[str, Any]:
+    ratios = [d / c for d, c in zip(dense_s, cand_s)]
+    low, high = bootstrap_ci(ratios)
+    return {
+        "dense_s": dense_s,
+        "candidate_s": cand_s,
+        "speedups": ratios,
+        "median_speedup": float(np.median(ratios)),
+        "ci95": [low, high],
+        "dense_median_s": float(np.median(dense_s)),
+        "candidate_median_s": float(np.median(cand_s)),
+    }
+
+
+def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, timing_ok: bool,
+           quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool) -> str:
+    """The verdict, invalid states first; speed verdicts need a CI lower bound above 1."""
+    if not installed:
+        return "rejected_at_install"
+    if not finite:
+        return "invalid_nonfinite"
+    if not executed:
+        return "invalid_not_executed"
+    if not exact_ok:
+        return "invalid_exactness_claim"
+    if speed is None:
+        return "quality_only"
+    if not timing_ok:
+        return "invalid_timing_mismatch"
+    if gpu_shared:
+        return "refused_shared_gpu"
+    if not quality_ok:
+        return "measured_quality_tradeoff"
+    return "recommended" if speed["ci95"][0] > 1.0 else "no_stable_gain"

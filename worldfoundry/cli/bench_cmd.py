@@ -1,0 +1,54 @@
+"""``worldfoundry bench``: evaluate candidate acceleration sets for quality, proven execution and paired speed.
+
+With no arguments it runs ``recipes/candidates/default.json`` on the default tiny model on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="recipe name (default: the candidate file's, else tiny-wan2.1)")
+    p.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory")
+    p.add_argument("--candidates", default=None, help="candidate JSON (default recipes/candidates/default.json)")
+    p.add_argument("--out", default="bench_out", help="output directory (results.json, report.md, PNG plots)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="compute dtype (float32, bf16, fp16)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved paired timing rounds (>= 3)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument("--quality-only", action="store_true", help="quality and execution proof only, no timing")
+    p.add_argument("--random-weights", action="store_true", help="real recipe with seeded random weights")
+    p.add_argument("--require-clean", action="store_true", help="refuse to run on a checkout with uncommitted changes")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="benchmark candidate accelerations (quality, execution, speed)")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from worldfoundry.bench.harness import BenchConfig, run_bench
+    from worldfoundry.bench.report import render_table
+    from worldfoundry.errors import WorldFoundryError
+
+    config = BenchConfig(
+        model=args.model, candidates=args.candidates, out=args.out, checkpoint_dir=args.checkpoint_dir,
+        device=args.device, dtype=args.dtype, rounds=args.rounds, seeds=args.seeds, quality_only=args.quality_only,
+        random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
+    )
+    try:
+        results = run_bench(config)
+    except (WorldFoundryError, ValueError) as exc:
+        print(f"worldfoundry bench: {exc}", file=sys.stderr)
+        return 2
+    print(render_table(results))
+    print(f"\nwrote {args.out}/results.json, report.md, speedup.png, quality_vs_speed.png")
+    if not results["dense"].get("stable_after_candidates", True):
+        print("ERROR: the dense output changed during the run; results are not trustworthy", file=sys.stderr)
+        return 1
+    return 0
