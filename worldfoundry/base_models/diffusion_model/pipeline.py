@@ -27,6 +27,7 @@ import torch
 
 from worldfoundry.base_models.diffusion_model.denoiser import Denoiser
 from worldfoundry.base_models.diffusion_model.drivers import driver_for
+from worldfoundry.base_models.diffusion_model.patch_codec import PixelPatchCodec
 from worldfoundry.base_models.diffusion_model.request import DiffusionRequest, DiffusionResult
 from worldfoundry.base_models.diffusion_model.runner import NativeRunner
 from worldfoundry.base_models.diffusion_model.vae_codec import VaeLatentCodec, video_to_uint8
@@ -86,6 +87,8 @@ def resolve_recipe(recipe_or_dir: str | os.PathLike[str]) -> tuple[Recipe, str |
 def build_codec(loaded: LoadedComponents) -> Any:
     if loaded.codec_module is None:
         return None
+    if isinstance(loaded.codec_module, PixelPatchCodec):
+        return loaded.codec_module
     options = dict(loaded.codec_options)
     variant = options.get("variant", "wan2.1")
     source = next((s for s in loaded.sources if s.component == "codec"), None)

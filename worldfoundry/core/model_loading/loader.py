@@ -102,6 +102,9 @@ def _override_for(component: str, overrides: Mapping[str, Any]) -> Any:
 def _load_module(spec: ComponentSpec, recipe: Recipe, *, subfolder: str | None, override: Any, random: bool,
                  seed: int, checkpoint_dir: str | None, device: torch.device,
                  dtype: torch.dtype) -> tuple[nn.Module, WeightSource]:
+    if spec.get("weights") == "none":  # a fixed transform without weights (e.g. the pixel-patch codec)
+        module = build_random(spec, recipe, seed=seed, device=device, dtype=None)
+        return module, WeightSource(spec.name, "config")
     if override is not None:
         module, source = load_single_file(spec, recipe, override, device=device, dtype=dtype)
     elif random:
@@ -141,6 +144,8 @@ def load_components(
         if not os.path.isfile(os.fspath(value)):
             raise MissingWeightsError(recipe.name, key, [os.fspath(value)], "Check the checkpoint_overrides path.")
     random = recipe.offline or random_weights
+    if checkpoint_dir is None and recipe.assets_dir is not None:
+        checkpoint_dir = recipe.assets_dir  # weights shipped with the recipe
     ckpt = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     device = policy.device
     loaded = LoadedComponents(recipe=recipe, policy=policy, random_weights=random)

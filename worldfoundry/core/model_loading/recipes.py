@@ -83,6 +83,7 @@ class Recipe:
     accelerations: tuple[str, ...]
     path: Path | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+    assets_dir: Path | None = None
 
     @property
     def denoiser(self) -> ComponentSpec:
@@ -96,7 +97,7 @@ class Recipe:
 
 
 _TOP_KEYS = {"name", "family", "mode", "description", "offline", "seed", "hf_repo", "components", "defaults",
-             "accelerations"}
+             "accelerations", "assets"}
 _COMPONENT_KEYS = {"class", "config_class", "config", "subfolder"}
 
 
@@ -142,6 +143,12 @@ def parse_recipe(data: Mapping[str, Any], *, path: Path | None = None) -> Recipe
         if key in defaults and (not isinstance(defaults[key], int) or defaults[key] <= 0):
             raise RecipeError(f"recipe {name!r}: defaults.{key} must be a positive integer")
     accelerations = data.get("accelerations") or []
+    assets = data.get("assets")
+    assets_dir = None
+    if assets is not None:
+        assets_dir = Path(str(assets))
+        if not assets_dir.is_absolute():
+            assets_dir = (path.parent if path else Path.cwd()) / assets_dir
     return Recipe(
         name=name,
         family=family,
@@ -158,6 +165,7 @@ def parse_recipe(data: Mapping[str, Any], *, path: Path | None = None) -> Recipe
         accelerations=tuple(str(a) for a in accelerations),
         path=path,
         raw=dict(data),
+        assets_dir=assets_dir,
     )
 
 
