@@ -83,8 +83,6 @@ def read_safetensors_index(f: io.FileIO, path: str, file_size: int) -> tuple[lis
     return _parse_header(raw, path, data_start=8 + header_len, file_size=file_size)
 
 
-
-
 def _read_header(f: io.FileIO, path: str, file_size: int) -> tuple[int, bytes]:
     if file_size < 8:
         raise CheckpointError(
@@ -169,7 +167,7 @@ def _parse_entry(name: str, info: Any, path: str, data_start: int) -> TensorEntr
         got = sorted(info) if isinstance(info, dict) else type(info).__name__
         raise CheckpointError(f"{where}: entry must have exactly {sorted(_ENTRY_FIELDS)}, got {got}")
     dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype_name not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{where}: unsupported dtype {dtype_name!r}; supported: {', '.join(SAFETENSORS_DTYPES)}")
     if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
