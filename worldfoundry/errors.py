@@ -194,3 +194,42 @@ class CandidateSchemaError(WorldFoundryError, ValueError):
 
 class PipelineClosedError(WorldFoundryError, RuntimeError):
     """The pipeline was closed; build a new one."""
+
+
+class UnsupportedCodecOptionError(WorldFoundryError, ValueError):
+    """A video codec option (build purpose, precision, tiling, offload, ...) is not supported; ``.option`` names it."""
+
+    def __init__(self, option: str, reason: str) -> None:
+        self.option = option
+        self.reason = reason
+        super().__init__(f"video codec option {option!r} refused: {reason}")
+
+
+class QuantizationInputError(WorldFoundryError, ValueError):
+    """A tensor handed to a quantization routine has an unsupported dtype, shape, layout or device."""
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+
+class AttentionBackendError(WorldFoundryError, RuntimeError):
+    """PyTorch cannot run scaled-dot-product attention with the explicitly requested backend.
+
+    Raised instead of letting PyTorch fall back to another kernel, so a backend choice is never silently ignored.
+    """
+
+    def __init__(self, backend: str, reason: str) -> None:
+        self.backend = backend
+        self.reason = reason
+        super().__init__(
+            f"SDPA backend {backend!r} cannot run these inputs: {reason}. "
+            "Choose another sdpa_backend (\"torch\" lets PyTorch pick) or change the inputs' dtype/device/shape."
+        )
+
+
+class ParameterPackingError(WorldFoundryError, ValueError):
+    """Parameters cannot be packed into one shared storage (tied, quantized, non-float, mixed dtype/device, ...)."""
+
+
+class OffloadScheduleError(WorldFoundryError, RuntimeError):
+    """Block offloading broke its copy/compute ordering (e.g. waited on an event that was never recorded)."""

@@ -1,0 +1,229 @@
+"""Run-time glue of ``selective_fp8``: the patched Linear forward, the per-call path choice and the handle.
+
+Each selected Linear keeps its dense weight; its forward is replaced by one that either
+
+* runs FP8: fused Triton activation quantization + ``torch._scaled_mm`` + bias, recorded as
+  ``executed(path, "fp8_gemm")``, or
+* runs the original dense forward, recorded as ``fallback(path, reason)`` with one of the reasons in
+  :data:`FALLBACK_REASONS` (``"cpu device"``, ``"gpu lacks fp8"``, ``"fewer than min_tokens rows"``, ...).
+
+The numerics live in :mod:`worldfoundry.core.acceleration.quantization` and
+:mod:`worldfoundry.core.acceleration.kernels`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+import torch.nn as nn
+
+from worldfoundry.base_models.diffusion_model.optimizations.guards import WeightViewGuard
+from worldfoundry.core.acceleration.handle import RecordedHandle
+from worldfoundry.core.acceleration.kernels.dispatch import quantize_activations_rowwise_fp8
+from worldfoundry.core.acceleration.patching import PatchRecorder
+from worldfoundry.core.acceleration.quantization.fp8 import CLIP_THRESHOLD
+from worldfoundry.core.acceleration.quantization.fp8_linear import (
+    FP8RowwiseWeight,
+    fp8_linear_fallback_reason,
+    scaled_mm_rowwise,
+)
+from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
+
+logger = logging.getLogger(__name__)
+
+#: ``ledger.executed`` kind of an FP8 call.
+EXECUTED_KIND: Final = "fp8_gemm"
+REASON_DTYPE: Final = "dtype not bfloat16"
+REASON_FEW_ROWS: Final = "fewer than min_tokens rows"
+REASON_AUTOGRAD: Final = "autograd enabled"
+REASON_OTHER_DEVICE: Final = "input on another device than the weight"
+#: Every reason a dense fallback can carry (device reasons are ``"<type> device"``, e.g. ``"cpu device"``).
+FALLBACK_REASONS: Final = (
+    "cpu device", "gpu lacks fp8", "torch._scaled_mm unavailable", REASON_DTYPE, REASON_FEW_ROWS,
+    REASON_AUTOGRAD, REASON_OTHER_DEVICE,
+)
+#: Counter bumped when the activation quantization ran the torch reference instead of the Triton kernel.
+QUANT_REFERENCE_COUNTER: Final = "activation_quant_torch_reference"
+
+
+class _Target:
+    __slots__ = ("path", "linear", "weight", "in_features", "out_features")
+
+    def __init__(self, path: str, linear: nn.Linear, weight: FP8RowwiseWeight) -> None:
+        self.path = path
+        self.linear = linear
+        self.weight = weight
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+
+class SelectiveFP8Runtime:
+    """State shared by the patched forwards of one activation (one model or one expert).
+
+    Attributes:
+        device_reasons: per-device cache of :func:`fp8_linear_fallback_reason` (``None``: FP8 can run). Tests
+            seed ``{torch.device("cpu"): None}`` to run the FP8 path on the CPU, where torch implements
+            ``torch._scaled_mm``; production never does.
+    """
+
+    def __init__(self, options: Options, ledger: ExecutionLedger, guard: WeightViewGuard) -> None:
+        self.options = options
+        self.ledger = ledger
+        self.guard = guard
+        self.targets: dict[str, _Target] = {}
+        self.device_reasons: dict[torch.device, str | None] = {}
+        self._clip_counters: dict[str, torch.Tensor] = {}
+        self._clip_lock = threading.Lock()
+        self.clipped_total = 0
+
+    # ------------------------------------------------------------------ construction
+    def add(self, path: str, linear: nn.Linear, weight: FP8RowwiseWeight) -> None:
+        self.targets[path] = _Target(path, linear, weight)
+
+    def make_wrapper(self, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The ``make_wrapper`` handed to :meth:`PatchRecorder.wrap_forward` for ``path``."""
+        target = self.targets[path]
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(input: torch.Tensor) -> torch.Tensor:
+                self.guard.verify(path)
+                reason = self.fallback_reason(target, input)
+                if reason is not None:
+                    self.ledger.fallback(path, reason)
+                    return original(input)
+                return self._fp8_forward(target, input)
+
+            return forward
+
+        return make
+
+    # ------------------------------------------------------------------ per call
+    def fallback_reason(self, target: _Target, x: torch.Tensor) -> str | None:
+        """Why this call runs the dense Linear (``None``: it runs FP8)."""
+        device = x.device
+        try:
+            reason = self.device_reasons[device]
+        except KeyError:
+            reason = fp8_linear_fallback_reason(device)
+            self.device_reasons[device] = reason
+        if reason is not None:
+            return reason
+        if device != target.weight.qweight.device:
+            return REASON_OTHER_DEVICE
+        if x.dtype != torch.bfloat16 or target.linear.weight.dtype != torch.bfloat16:
+            return REASON_DTYPE
+        k = target.in_features
+        rows = x.numel() // k if x.dim() >= 1 and x.shape[-1] == k else 0
+        if rows == 0 or rows < self.options.min_tokens:
+            return REASON_FEW_ROWS
+        if torch.is_grad_enabled() and (x.requires_grad or target.linear.weight.requires_grad):
+            return REASON_AUTOGRAD
+        return None
+
+    def _fp8_forward(self, target: _Target, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = quantize_activations_rowwise_fp8(
+            x.reshape(-1, target.in_features), clip_counter=self._clip_counter(target.path, x.device)
+        )
+        if rows.fallback_reason is not None:
+            self.ledger.count(QUANT_REFERENCE_COUNTER)
+        out = scaled_mm_rowwise(
+            rows.q, rows.scale, target.weight, target.linear.bias,
+            out_dtype=torch.bfloat16, use_fast_accum=self.options.use_fast_accum,
+        )
+        self.ledger.executed(target.path, EXECUTED_KIND)
+        return out.reshape(*lead, target.out_features)
+
+    def _clip_counter(self, path: str, device: torch.device) -> torch.Tensor:
+        counter = self._clip_counters.get(path)
+        if counter is None or counter.device != device:
+            with self._clip_lock:
+                counter = torch.zeros(1, dtype=torch.int32, device=device)
+                self._clip_counters[path] = counter
+        return counter
+
+    # ------------------------------------------------------------------ clipping diagnostics
+    def flush_clips(self) -> dict[str, int]:
+        """Read and reset the device-side clip counters (synchronises with the device once).
+
+        Returns:
+            ``{path: clipped elements}`` for the modules with a non-zero count since the last flush.
+        """
+        with self._clip_lock:
+            counters = dict(self._clip_counters)
+        if not counters:
+            return {}
+        paths = list(counters)
+        values = torch.stack([counters[p].reshape(()).to("cpu", torch.int64) for p in paths]).tolist()
+        for counter in counters.values():
+            counter.zero_()
+        found = {p: int(v) for p, v in zip(paths, values, strict=True) if v}
+        self.clipped_total += sum(found.values())
+        return found
+
+    def release(self) -> None:
+        self.targets.clear()
+        self._clip_counters.clear()
+        self.device_reasons.clear()
+
+    # ------------------------------------------------------------------ reports
+    def memory(self) -> dict[str, int]:
+        dense = sum(t.linear.weight.numel() * t.linear.weight.element_size() for t in self.targets.values())
+        fp8 = sum(t.weight.qweight.numel() * t.weight.qweight.element_size() for t in self.targets.values())
+        scales = sum(t.weight.scale.numel() * t.weight.scale.element_size() for t in self.targets.values())
+        return {
+            "dense_weight_bytes_retained": dense,
+            "fp8_weight_bytes": fp8,
+            "scale_bytes": scales,
+            "extra_bytes": fp8 + scales,
+        }
+
+
+class SelectiveFP8Handle(RecordedHandle):
+    """Handle of one ``selective_fp8`` activation: undo, clipping notes per request, execution report."""
+
+    def __init__(self, patches: PatchRecorder, ledger: ExecutionLedger, runtime: SelectiveFP8Runtime) -> None:
+        super().__init__(PLUGIN_NAME, patches, ledger)
+        self.runtime = runtime
+        self.paths = tuple(runtime.targets)
+        self._memory = runtime.memory()
+
+    def begin_request(self, request_id: str) -> None:
+        """Counts from before the request go to the totals only."""
+        self.runtime.flush_clips()
+
+    def end_request(self, request_id: str) -> None:
+        """Note the request's activation clipping count (a diagnostic, never a failure)."""
+        found = self.runtime.flush_clips()
+        self.ledger.note("activation_clipped_elements", sum(found.values()), request_id=request_id)
+        if found:
+            top = dict(sorted(found.items(), key=lambda kv: -kv[1])[:32])
+            self.ledger.note("activation_clipped_by_module", top, request_id=request_id)
+
+    def release(self) -> None:
+        """Drop the FP8 weights and counters (the dense weights were never changed)."""
+        self.runtime.release()
+
+    def execution_report(self) -> dict[str, Any]:
+        report = super().execution_report()
+        if self.active:
+            self.runtime.flush_clips()
+        report["selective_fp8"] = {
+            "modules": list(self.paths),
+            "scaling": self.runtime.options.scaling,
+            "use_fast_accum": self.runtime.options.use_fast_accum,
+            "min_tokens": self.runtime.options.min_tokens,
+            "memory": dict(self._memory),
+            "activation_clipping": {
+                "elements_total": self.runtime.clipped_total,
+                "threshold": CLIP_THRESHOLD,
+                "meaning": "activation elements whose scaled magnitude reached the FP8 saturation threshold "
+                           "(only non-finite inputs can, with per-row scales); diagnostic only",
+            },
+        }
+        return report

@@ -1,0 +1,106 @@
+"""Tiny seeded diffusers models of the three families, fixed Wan inputs and an independent model fingerprint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+WAN_CONFIG: dict[str, Any] = dict(
+    num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
+    ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+)
+WAN_FFN_PATHS = ["blocks.0.ffn.net.0.proj", "blocks.0.ffn.net.2", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"]
+
+
+def build_wan(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = WanTransformer3DModel(**WAN_CONFIG)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * 0.05)
+    return model.to(dtype).eval()
+
+
+def build_sana_video() -> nn.Module:
+    from diffusers import SanaVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    return SanaVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
+        sample_size=8,
+    ).eval()
+
+
+def build_minimax_h3() -> nn.Module:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    return MiniMaxH3Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1,
+        ffn_dim=128, in_channels=8, audio_in_channels=8, text_dim=32, freq_dim=32, time_embed_hidden_dim=64,
+        time_embed_dim=32, rope_freq_dim=8,
+    ).eval()
+
+
+def wan_inputs(dtype: torch.dtype = torch.float32, frames: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(1, 16, frames, 8, 8, generator=g).to(dtype),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g).to(dtype),
+    }
+
+
+def run_wan(model: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**wan_inputs(dtype), return_dict=False)[0]
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Module tree, every module's instance attributes and containers (by identity), state dict values, output."""
+    tree = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        attrs = {k: id(v) for k, v in module.__dict__.items()}
+        containers = {k: [(key, id(v)) for key, v in module.__dict__[k].items()]
+                      for k in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks")}
+        tree.append((name, id(module), attrs, containers))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"tree": tree, "state": state, "output": run_wan(model, next(model.parameters()).dtype)}
+
+
+def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert after["tree"] == before["tree"], "module tree, attributes or containers changed"
+    assert list(after["state"]) == list(before["state"])
+    for k, v in before["state"].items():
+        assert after["state"][k].dtype == v.dtype and torch.equal(after["state"][k], v), k
+    assert torch.equal(after["output"], before["output"]), "forward output is not bitwise identical"
+
+
+class Kit:
+    """The helpers above, handed to tests as the ``kit`` fixture (conftest modules are not importable)."""
+
+    WAN_FFN_PATHS = WAN_FFN_PATHS
+    build_wan = staticmethod(build_wan)
+    build_sana_video = staticmethod(build_sana_video)
+    build_minimax_h3 = staticmethod(build_minimax_h3)
+    wan_inputs = staticmethod(wan_inputs)
+    run_wan = staticmethod(run_wan)
+    fingerprint = staticmethod(fingerprint)
+    assert_same = staticmethod(assert_same)
+
+
+@pytest.fixture
+def kit() -> type[Kit]:
+    return Kit
+
+
+@pytest.fixture
+def wan() -> nn.Module:
+    return build_wan()

@@ -1,0 +1,134 @@
+"""The FP8 execution path of the installed plugin, run on the CPU.
+
+The plugin never chooses FP8 on the CPU by itself (the receipt says "cpu device"). CPU torch does implement
+``torch._scaled_mm``, so these tests seed the runtime's per-device decision with "FP8 can run here" and exercise
+the real path: activation quantization (the torch reference, reported as such), ``torch._scaled_mm``, bias,
+receipts, clipping notes, the remaining fallback reasons, and exact restore after FP8 ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from worldfoundry_selective_fp8.plugin import prepare
+from worldfoundry_selective_fp8.runtime import QUANT_REFERENCE_COUNTER
+
+from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.guard import attach_request_guard
+from worldfoundry.core.acceleration.quantization.fp8_linear import fp8_rowwise_linear_reference
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.model_loading.policy import RuntimePolicy
+
+CPU = torch.device("cpu")
+
+
+def install_forced(model: nn.Module, **options):
+    reg = AccelerationRegistry(discover=False)
+    reg.register("selective_fp8", prepare)
+    session = install_diffusion_accelerations(model, {"selective_fp8": {"min_tokens": 1, **options}},
+                                              RuntimePolicy(dtype="bf16"), registry=reg)
+    handle = session.handles("selective_fp8")["model"]
+    handle.runtime.device_reasons[CPU] = None  # CPU torch has _scaled_mm: let the FP8 path run
+    return session, handle
+
+
+def record_of(session, request_id: str) -> dict:
+    return session.execution_report()["plugins"]["selective_fp8"]["model"]["requests"][request_id]
+
+
+def test_fp8_path_runs_every_selected_linear_and_stays_close_to_dense(kit):
+    model = kit.build_wan(dtype=torch.bfloat16)
+    dense = kit.run_wan(model, torch.bfloat16).float()
+    session, _ = install_forced(model)
+    with request_scope(RequestContext("r1")):
+        out = kit.run_wan(model, torch.bfloat16).float()
+    record = record_of(session, "r1")
+    assert record["modules"] == {p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS}
+    assert record["fallbacks"] == {}
+    assert record["counters"][QUANT_REFERENCE_COUNTER] == 4  # the CPU used the torch reference quantizer
+    assert record["claimed_not_executed"] == []
+    rel = ((out - dense).norm() / dense.norm()).item()
+    assert 0 < rel < 0.05, rel  # approximate, and within the FP8 budget for random weights
+    session.uninstall()
+
+
+def test_each_linear_equals_the_reference_linear(kit):
+    model = kit.build_wan(dtype=torch.bfloat16)
+    session, handle = install_forced(model)
+    g = torch.Generator().manual_seed(5)
+    for path in kit.WAN_FFN_PATHS:
+        linear = model.get_submodule(path)
+        x = torch.randn(3, 7, linear.in_features, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            y = linear(x)
+        target = handle.runtime.targets[path]
+        ref = fp8_rowwise_linear_reference(x, target.weight, linear.bias)
+        pre_bias = fp8_rowwise_linear_reference(x, target.weight)
+        assert y.dtype == torch.bfloat16 and y.shape == (3, 7, linear.out_features)
+        assert torch.all((y.float() - ref).abs() <= (pre_bias.abs() + ref.abs()) * 2.0**-8 + 1e-4)
+        with torch.no_grad():
+            dense = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        assert ((y.float() - dense).norm() / dense.norm()).item() < 0.06
+    session.uninstall()
+
+
+def test_remaining_fallback_reasons(kit):
+    model = kit.build_wan(dtype=torch.float32)
+    session, _ = install_forced(model)
+    with request_scope(RequestContext("fp32")):
+        kit.run_wan(model)
+    assert record_of(session, "fp32")["fallbacks"] == {"dtype not bfloat16": 4}
+    session.uninstall()
+
+    model = kit.build_wan(dtype=torch.bfloat16)
+    session, _ = install_forced(model, min_tokens=10_000)
+    with request_scope(RequestContext("small")):
+        kit.run_wan(model, torch.bfloat16)
+    assert record_of(session, "small")["fallbacks"] == {"fewer than min_tokens rows": 4}
+    session.uninstall()
+
+    session, _ = install_forced(model)
+    linear = model.blocks[0].ffn.net[2]
+    with request_scope(RequestContext("grad")):
+        linear(torch.randn(4, 128, dtype=torch.bfloat16))  # grad mode on and the weight requires grad
+        with torch.no_grad():
+            linear(torch.randn(4, 128, dtype=torch.bfloat16))
+    record = record_of(session, "grad")
+    assert record["module_fallbacks"] == {"blocks.0.ffn.net.2": {"autograd enabled": 1}}
+    assert record["modules"] == {"blocks.0.ffn.net.2": {"fp8_gemm": 1}}
+    session.uninstall()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_clipped_activations_are_noted_per_request(kit):
+    model = kit.build_wan(dtype=torch.bfloat16)
+    session, handle = install_forced(model)
+    guard = attach_request_guard(model)
+    linear = model.blocks[1].ffn.net[0].proj
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    x[2, 3] = float("inf")
+    with guard.request("clip"), request_scope(RequestContext("clip")), torch.no_grad():
+        linear(x)  # one non-finite element: inf / inf -> nan after scaling
+    record = record_of(session, "clip")
+    assert record["notes"]["activation_clipped_elements"] == 1
+    assert record["notes"]["activation_clipped_by_module"] == {"blocks.1.ffn.net.0.proj": 1}
+    with guard.request("clean"), request_scope(RequestContext("clean")), torch.no_grad():
+        linear(torch.randn(5, 64, dtype=torch.bfloat16))
+    assert record_of(session, "clean")["notes"]["activation_clipped_elements"] == 0
+    report = session.execution_report()["plugins"]["selective_fp8"]["model"]["selective_fp8"]
+    assert report["activation_clipping"]["elements_total"] == 1
+    session.uninstall()
+
+
+def test_exact_restore_after_the_fp8_path_ran(kit):
+    model = kit.build_wan(dtype=torch.bfloat16)
+    before = kit.fingerprint(model)
+    session, _ = install_forced(model)
+    assert not torch.equal(kit.run_wan(model, torch.bfloat16), before["output"])  # FP8 really ran
+    session.uninstall()
+    after = kit.fingerprint(model)
+    before["tree"] = [t for t in before["tree"] if t[0] != ""]
+    after["tree"] = [t for t in after["tree"] if t[0] != ""]  # the request guard stays on the root by design
+    kit.assert_same(before, after)
