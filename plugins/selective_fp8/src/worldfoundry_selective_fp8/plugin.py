@@ -144,6 +144,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     )
 
 
+prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
+
+
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Register ``selective_fp8``."""
