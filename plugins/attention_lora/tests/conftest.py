@@ -1,0 +1,217 @@
+"""Tiny MiniMax-H3 / Wan transformers, fixed inputs and adapters written in the documented layouts.
+
+Adapters are built here from first principles (not with the code under test): the H3 fused QKV ``lora_B`` is
+assembled per head as ``[head0: q k v, head1: q k v, ...]`` from separately drawn Q/K/V blocks, so the tests
+know the exact ``to_q``/``to_k``/``to_v`` matrices the plugin must apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+TINY_H3_CONFIG: dict[str, Any] = dict(
+    num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2, num_refiner_layers=1, ffn_dim=96,
+    in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=32, freq_dim=32, time_embed_hidden_dim=48,
+    time_embed_dim=24, rope_freq_dim=4,
+)
+TINY_WAN_CONFIG: dict[str, Any] = dict(
+    num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
+    ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+)
+
+
+def _randomize(model: nn.Module, seed: int) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def build_h3(seed: int = 0, **overrides: Any) -> nn.Module:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return _randomize(MiniMaxH3Transformer3DModel(**{**TINY_H3_CONFIG, **overrides}), seed)
+
+
+def build_wan(seed: int = 0, **overrides: Any) -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return _randomize(WanTransformer3DModel(**{**TINY_WAN_CONFIG, **overrides}), seed)
+
+
+def h3_inputs(model: nn.Module, seed: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A packed sequence: 3 text rows, 8 video rows (2 frames of 2×2 patches), 2 audio rows."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    t_rows, v_rows, a_rows = 3, 8, 2
+    s = t_rows + v_rows + a_rows
+    patch = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+    frame = torch.arange(2).repeat_interleave(4)
+    pos = torch.cat([
+        torch.stack([torch.zeros(t_rows), torch.zeros(t_rows), torch.arange(t_rows)], 1),
+        torch.stack([frame, torch.arange(2).repeat_interleave(2).repeat(2), torch.arange(2).repeat(4)], 1).float(),
+        torch.stack([torch.arange(a_rows), torch.zeros(a_rows), torch.zeros(a_rows)], 1),
+    ]).long()
+    return {
+        "hidden_states": torch.randn(1, v_rows, patch, generator=g).to(dtype),
+        "audio_hidden_states": torch.randn(1, a_rows, cfg.audio_in_channels, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(1, t_rows, cfg.text_dim, generator=g).to(dtype),
+        "timestep": torch.tensor([0.6]),
+        "timestep_indices": torch.zeros(s, dtype=torch.long),
+        "token_tags": torch.cat([torch.ones(t_rows), torch.zeros(v_rows), torch.full((a_rows,), 2.0)]).long(),
+        "position_ids": pos,
+        "video_indices": torch.arange(t_rows, t_rows + v_rows),
+        "audio_indices": torch.arange(t_rows + v_rows, s),
+        "text_indices": torch.arange(t_rows),
+    }
+
+
+def wan_inputs(seed: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(1, 16, 1, 4, 4, generator=g).to(dtype),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g).to(dtype),
+    }
+
+
+def run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+@dataclass
+class H3Adapter:
+    """An H3 attention state and, per adapted module path, the (A, B) the plugin must apply."""
+
+    state: dict[str, torch.Tensor]
+    expected: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def make_h3_adapter(model: nn.Module, rank: int = 4, seed: int = 0, *, prefix: str = "", infix: str = "",
+                    magnitude: float = 0.2, only: str | None = None) -> H3Adapter:
+    """The complete H3 attention state in the original naming (QKV ``lora_B`` interleaved per head).
+
+    Args:
+        only: ``"q"``, ``"k"`` or ``"v"`` keeps only those rows of every QKV ``lora_B`` nonzero.
+    """
+    cfg = model.config
+    heads, head_dim, hidden = cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size
+    inner = heads * head_dim
+    g = torch.Generator().manual_seed(seed)
+    adapter = H3Adapter({})
+    blocks = [("blocks", "transformer_blocks", cfg.num_layers),
+              ("token_refiner.blocks", "token_refiner.refiner_blocks", cfg.num_refiner_layers)]
+    for source, target, count in blocks:
+        for i in range(count):
+            a_qkv = torch.randn(rank, hidden, generator=g) * magnitude
+            parts = {n: torch.randn(inner, rank, generator=g) * magnitude for n in "qkv"}
+            if only is not None:
+                parts = {n: (p if n == only else torch.zeros_like(p)) for n, p in parts.items()}
+            per_head = [torch.cat([parts[n][h * head_dim:(h + 1) * head_dim] for n in "qkv"]) for h in range(heads)]
+            b_qkv = torch.cat(per_head)
+            a_out = torch.randn(rank, inner, generator=g) * magnitude
+            b_out = torch.randn(hidden, rank, generator=g) * magnitude
+            base = f"{prefix}{source}.{i}.attn"
+            adapter.state[f"{base}.qkv_proj.lora_A{infix}.weight"] = a_qkv
+            adapter.state[f"{base}.qkv_proj.lora_B{infix}.weight"] = b_qkv
+            adapter.state[f"{base}.out_proj.lora_A{infix}.weight"] = a_out
+            adapter.state[f"{base}.out_proj.lora_B{infix}.weight"] = b_out
+            if source == "blocks":
+                for n in "qkv":
+                    adapter.expected[f"{target}.{i}.attn.to_{n}"] = (a_qkv, parts[n])
+                adapter.expected[f"{target}.{i}.attn.to_out.0"] = (a_out, b_out)
+    return adapter
+
+
+def make_wan_adapter(model: nn.Module, rank: int = 4, seed: int = 0, *, prefix: str = "", infix: str = "",
+                     magnitude: float = 0.2,
+                     projections: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0"),
+                     attentions: tuple[str, ...] = ("attn1", "attn2")) -> H3Adapter:
+    g = torch.Generator().manual_seed(seed)
+    adapter = H3Adapter({})
+    for i in range(len(model.blocks)):
+        for attn in attentions:
+            for proj in projections:
+                module = model.get_submodule(f"blocks.{i}.{attn}.{proj}")
+                a = torch.randn(rank, module.in_features, generator=g) * magnitude
+                b = torch.randn(module.out_features, rank, generator=g) * magnitude
+                adapter.state[f"{prefix}blocks.{i}.{attn}.{proj}.lora_A{infix}.weight"] = a
+                adapter.state[f"{prefix}blocks.{i}.{attn}.{proj}.lora_B{infix}.weight"] = b
+                adapter.expected[f"blocks.{i}.{attn}.{proj}"] = (a, b)
+    return adapter
+
+
+class ProjectionRecorder:
+    """Forward hooks (outside the patched forward) that record every adapted projection's input and output."""
+
+    def __init__(self, model: nn.Module, paths: list[str]) -> None:
+        self.calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {p: [] for p in paths}
+        self._handles = [
+            model.get_submodule(p).register_forward_hook(
+                lambda mod, args, out, p=p: self.calls[p].append((args[0].detach().clone(), out.detach().clone())))
+            for p in paths
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def state_snapshot(model: nn.Module) -> dict[str, Any]:
+    """Independent restore check: state dict values, parameter identities, instance dicts of every module."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {n: id(p) for n, p in model.named_parameters()},
+        # the request guard the installer attaches stays by design (it belongs to the loader, not to a plugin)
+        "dicts": {n or "<root>": sorted(k for k in m.__dict__ if k != "_worldfoundry_guard")
+                  for n, m in model.named_modules()},
+        "forwards": [n for n, m in model.named_modules() if "forward" in m.__dict__],
+    }
+
+
+def assert_snapshot_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["params"] == b["params"]
+    assert a["dicts"] == b["dicts"]
+    assert a["forwards"] == b["forwards"] == []
+    assert list(a["state"]) == list(b["state"])
+    for k, v in a["state"].items():
+        assert torch.equal(v, b["state"][k]) and v.dtype == b["state"][k].dtype, k
+
+
+@pytest.fixture
+def h3() -> nn.Module:
+    return build_h3()
+
+
+@pytest.fixture
+def wan() -> nn.Module:
+    return build_wan()
+
+
+@pytest.fixture
+def tools() -> Any:
+    """The helpers above, for tests (pytest's importlib mode does not import conftest as a module)."""
+
+    class Tools:
+        build_h3 = staticmethod(build_h3)
+        build_wan = staticmethod(build_wan)
+        h3_inputs = staticmethod(h3_inputs)
+        wan_inputs = staticmethod(wan_inputs)
+        run = staticmethod(run)
+        make_h3_adapter = staticmethod(make_h3_adapter)
+        make_wan_adapter = staticmethod(make_wan_adapter)
+        ProjectionRecorder = ProjectionRecorder
+        state_snapshot = staticmethod(state_snapshot)
+        assert_snapshot_equal = staticmethod(assert_snapshot_equal)
+        H3_CONFIG = TINY_H3_CONFIG
+        WAN_CONFIG = TINY_WAN_CONFIG
+
+    return Tools

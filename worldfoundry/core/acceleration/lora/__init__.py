@@ -1,0 +1,56 @@
+"""FP32 LoRA adapter arithmetic: torch reference, Triton kernels, dispatcher and runtime projection objects.
+
+``y = round(float(base(x)) + scale * ((float(x) @ Aᵀ) @ Bᵀ))`` — the adapter never touches the base weights.
+"""
+
+from __future__ import annotations
+
+from worldfoundry.core.acceleration.lora.adapter import (
+    LoraProjection,
+    SharedDownProjection,
+    canonical_device,
+    stack_down_groups,
+)
+from worldfoundry.core.acceleration.lora.dispatch import (
+    REFERENCE,
+    TRITON,
+    LoraKernelStats,
+    kernel_unavailable_reason,
+    lora_down,
+    lora_up_add,
+)
+from worldfoundry.core.acceleration.lora.reference import (
+    DEFAULT_CHUNK_BYTES,
+    compute_dtype_for,
+    lora_down_reference,
+    lora_linear_reference,
+    lora_up_add_reference,
+    rows_per_chunk,
+    split_bf16x3,
+)
+from worldfoundry.core.acceleration.lora.triton_kernels import (
+    HAS_TRITON,
+    KERNEL_MAX_RANK,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "HAS_TRITON",
+    "KERNEL_MAX_RANK",
+    "REFERENCE",
+    "TRITON",
+    "LoraKernelStats",
+    "LoraProjection",
+    "SharedDownProjection",
+    "canonical_device",
+    "compute_dtype_for",
+    "kernel_unavailable_reason",
+    "lora_down",
+    "lora_down_reference",
+    "lora_linear_reference",
+    "lora_up_add",
+    "lora_up_add_reference",
+    "rows_per_chunk",
+    "split_bf16x3",
+    "stack_down_groups",
+]
