@@ -234,7 +234,7 @@ def parameter_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()
-        digest.update(f"{name}|{str(tensor.dtype)}|{list(tensor.shape)}\n".encode())
+        digest.update(f"{name}|{tensor.dtype!s}|{list(tensor.shape)}\n".encode())
         digest.update(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

@@ -84,18 +84,22 @@ def resolve_recipe(recipe_or_dir: str | os.PathLike[str]) -> tuple[Recipe, str |
     raise UnknownRecipeError(f"{recipe_or_dir} (no recipe matches its transformer config)", available_recipes())
 
 
-def build_codec(loaded: LoadedComponents) -> Any:
+def build_codec(loaded: LoadedComponents, policy: RuntimePolicy) -> Any:
+    """The recipe's codec, or the variant ``component_options`` select (e.g. ``lightvae-wan21``)."""
+    options = dict(loaded.codec_options)
+    if loaded.codec_module is None and options.get("variant", "wan2.1") != "wan2.1":
+        from worldfoundry.base_models.diffusion_model.codec import codec_from_component_options
+
+        default_tiled, path = options.pop("recipe_default_tiled"), options.pop("path")
+        return codec_from_component_options(path, options, policy.device, recipe_default_tiled=default_tiled,
+                                            runtime_options=dict(policy.options))
     if loaded.codec_module is None:
         return None
     if isinstance(loaded.codec_module, PixelPatchCodec):
         return loaded.codec_module
-    options = dict(loaded.codec_options)
-    variant = options.get("variant", "wan2.1")
     source = next((s for s in loaded.sources if s.component == "codec"), None)
     report = {"weights": source.to_json() if source else None}
-    if variant != "wan2.1":
-        raise InvalidRequestError(f"codec variant {variant!r} is not available in this build")
-    return VaeLatentCodec(loaded.codec_module, tiled=bool(options.get("tiled", False)), variant=variant, report=report)
+    return VaeLatentCodec(loaded.codec_module, tiled=bool(options.get("tiled", False)), report=report)
 
 
 class NativeDiffusionPipeline:
@@ -149,7 +153,7 @@ class NativeDiffusionPipeline:
         components = PipelineComponents(
             recipe=recipe, denoiser=denoiser, scheduler=loaded.scheduler, tokenizer=loaded.tokenizer,
             text_encoder=loaded.text_encoder, image_encoder=loaded.image_encoder,
-            image_processor=loaded.image_processor, codec=build_codec(loaded), sources=list(loaded.sources),
+            image_processor=loaded.image_processor, codec=build_codec(loaded, policy), sources=list(loaded.sources),
             random_weights=loaded.random_weights,
         )
         pipe = cls(components, policy)

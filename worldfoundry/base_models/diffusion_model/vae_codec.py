@@ -36,25 +36,26 @@ class VaeLatentCodec:
         return next(self.module.parameters()).device
 
     def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and reciprocal std, computed as diffusers' Wan pipelines do (so latents match them bitwise)."""
         cfg = self.module.config
-        mean = torch.tensor(cfg.latents_mean, dtype=like.dtype, device=like.device).view(1, self.z_dim, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std, dtype=like.dtype, device=like.device).view(1, self.z_dim, 1, 1, 1)
-        return mean, std
+        mean = torch.tensor(cfg.latents_mean).view(1, self.z_dim, 1, 1, 1).to(like.device, like.dtype)
+        inv_std = (1.0 / torch.tensor(cfg.latents_std).view(1, self.z_dim, 1, 1, 1)).to(like.device, like.dtype)
+        return mean, inv_std
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """BCTHW video in [-1, 1] -> normalised latents (distribution mode)."""
         with torch.no_grad():
             latents = self.module.encode(video.to(self.device, self.dtype)).latent_dist.mode()
-        mean, std = self._stats(latents)
+        mean, inv_std = self._stats(latents)
         self.calls["encode"] += 1
-        return (latents - mean) / std
+        return (latents - mean) * inv_std
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents -> BCTHW video in [-1, 1] (float32)."""
         latents = latents.to(self.device, self.dtype)
-        mean, std = self._stats(latents)
+        mean, inv_std = self._stats(latents)
         with torch.no_grad():
-            video = self.module.decode(latents * std + mean, return_dict=False)[0]
+            video = self.module.decode(latents / inv_std + mean, return_dict=False)[0]
         self.calls["decode"] += 1
         return video.float().clamp(-1.0, 1.0)
 

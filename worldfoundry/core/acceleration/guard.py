@@ -188,17 +188,21 @@ def attach_request_guard(model: nn.Module, guard: RequestGuard | None = None) ->
     Raises:
         ValueError: ``model`` already has a different guard.
     """
-    existing = get_request_guard(model)
-    if existing is not None:
-        if guard is not None and guard is not existing:
-            raise ValueError("model already has a different request guard; guard groups are fixed when loading")
-        return existing
-    guard = guard or RequestGuard(type(model).__name__)
-    pre = model.register_forward_pre_hook(guard._enter_forward)
-    post = model.register_forward_hook(guard._exit_forward, always_call=True)
-    object.__setattr__(model, GUARD_ATTRIBUTE, guard)
-    guard._modules.append((pre, post))
-    return guard
+    with _ATTACH_LOCK:
+        existing = get_request_guard(model)
+        if existing is not None:
+            if guard is not None and guard is not existing:
+                raise ValueError("model already has a different request guard; guard groups are fixed when loading")
+            return existing
+        guard = guard or RequestGuard(type(model).__name__)
+        pre = model.register_forward_pre_hook(guard._enter_forward)
+        post = model.register_forward_hook(guard._exit_forward, always_call=True)
+        object.__setattr__(model, GUARD_ATTRIBUTE, guard)
+        guard._modules.append((pre, post))
+        return guard
+
+
+_ATTACH_LOCK = threading.Lock()
 
 
 def get_request_guard(model: nn.Module) -> RequestGuard | None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from worldfoundry.core.acceleration.guard import RequestGuard, attach_request_guard, get_request_guard
-from worldfoundry.core.acceleration.prepared import PreparedAcceleration
+from worldfoundry.core.acceleration.prepared import ROOT_MODULE, PreparedAcceleration, is_role
 from worldfoundry.core.acceleration.receipts import InstallReceipt, PluginInstallRecord
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
 from worldfoundry.core.acceleration.session import (
@@ -143,16 +143,22 @@ def install_diffusion_accelerations(
         # 1. prepare all (validation only) and prove nothing changed
         snapshots = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
         prepared: list[tuple[str, PreparedAcceleration]] = []
-        for name, options in normalized.items():
-            for label, module in targets.items():
-                plan = _prepare_one(entries[name].factory, name, module, options, policy)
-                prepared.append((label, plan))
-        for label, snapshot in snapshots.items():
-            diffs = snapshot.restore()
-            if diffs:
-                raise AccelerationInstallError(
-                    ",".join(normalized), f"a prepare step changed the model ({label}): {diffs[:5]}; restored"
-                )
+        try:
+            for name, options in normalized.items():
+                for label, module in targets.items():
+                    plan = _prepare_one(entries[name].factory, name, module, options, policy)
+                    diffs = snapshots[label].differences()
+                    if diffs:
+                        raise AccelerationInstallError(
+                            name, f"its prepare step changed the model ({label}): {diffs[:5]}; prepare must only "
+                            "validate (make changes in activate())"
+                        )
+                    _check_claimed_paths(plan, label, module)
+                    prepared.append((label, plan))
+        except BaseException:
+            for snapshot in snapshots.values():  # put back whatever a prepare step changed before it failed
+                snapshot.restore()
+            raise
 
         # 2. conflicts, before any activation
         _check_conflicts(prepared)
@@ -188,13 +194,29 @@ def install_diffusion_accelerations(
     return session
 
 
+def _check_claimed_paths(plan: PreparedAcceleration, label: str, module: nn.Module) -> None:
+    """Every non-role claim must be ``"<root>"`` or a path of ``module.named_modules()``."""
+    paths = [c for c in plan.claims if not is_role(c) and c != ROOT_MODULE]
+    if not paths:
+        return
+    known = {name for name, _ in module.named_modules(remove_duplicate=False)}
+    unknown = sorted(c for c in paths if c not in known)
+    if unknown:
+        where = "" if label == SINGLE_MODEL_LABEL else f" of expert {label!r}"
+        raise AccelerationInstallError(
+            plan.name,
+            f"prepare claimed module path(s) {unknown[:5]} that do not exist in {type(module).__name__}{where}; "
+            f"claims must be paths from model.named_modules(), {ROOT_MODULE!r} or 'role:<name>'",
+        )
+
+
 def _prepare_one(factory: Any, name: str, module: nn.Module, options: dict[str, Any],
                  policy: RuntimePolicy) -> PreparedAcceleration:
     try:
         plan = factory(module, _freeze(options), policy)
     except WorldFoundryError:
         raise
-    except (TypeError, ValueError, KeyError) as exc:
+    except Exception as exc:
         raise AccelerationInstallError(name, f"prepare failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(plan, PreparedAcceleration):
         raise AccelerationInstallError(name, f"prepare factory returned {type(plan).__name__}, not PreparedAcceleration")

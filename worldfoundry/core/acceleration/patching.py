@@ -25,7 +25,7 @@ from typing import Any, Final
 import torch
 import torch.nn as nn
 
-from worldfoundry.errors import AccelerationRestoreError
+from worldfoundry.errors import AccelerationRestoreError, WorldFoundryError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ NOTSET: Final = _NotSet()
 PATCH_NAME_ATTRIBUTE = "_worldfoundry_patch_name"
 
 
-class DuplicatePatchError(ValueError):
+class DuplicatePatchError(WorldFoundryError, ValueError):
     """A named patch is applied twice to the same target."""
 
 

@@ -25,6 +25,12 @@ from worldfoundry.core.acceleration.context import NO_REQUEST, current_request_i
 DEFAULT_MAX_REQUESTS = 16
 DEFAULT_MAX_TRACE = 256
 DEFAULT_MAX_MODULES = 4096
+#: Most distinct counter names, fallback reasons, notes and traces kept per request; the rest fold into
+#: ``OVERFLOW_KEY`` (counters, reasons) or are dropped (notes, traces).
+DEFAULT_MAX_KEYS = 256
+#: Longest fallback reason kept (longer ones are cut).
+MAX_REASON_CHARS = 200
+OVERFLOW_KEY = "<other>"
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class PluginInstallRecord:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "options": _jsonable(self.options),
+            "options": jsonable(self.options),
             "claims": list(self.claims),
             "distribution": self.distribution,
             "version": self.version,
@@ -82,14 +88,31 @@ class InstallReceipt:
         }
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A JSON-serialisable copy of ``value``: mappings and sequences recursively, one-element tensors as their
+    value, larger tensors as a short description (never their data), anything else as ``str``."""
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [_jsonable(v) for v in value]
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return [jsonable(v) for v in items]
     if isinstance(value, bool | int | float | str) or value is None:
         return value
+    if hasattr(value, "numel") and hasattr(value, "dtype") and hasattr(value, "shape"):
+        if value.numel() == 1:
+            return jsonable(value.item())
+        return f"<tensor shape={list(value.shape)} dtype={value.dtype}>"
     return str(value)
+
+
+_jsonable = jsonable
+
+
+def _bounded_add(counts: dict[str, int], key: str, n: int, limit: int) -> None:
+    """``counts[key] += n``, folding new keys into ``OVERFLOW_KEY`` once ``limit`` distinct keys exist."""
+    if key not in counts and len(counts) >= limit:
+        key = OVERFLOW_KEY
+    counts[key] = counts.get(key, 0) + n
 
 
 class _RequestRecord:
@@ -112,8 +135,8 @@ class _RequestRecord:
             "fallbacks": dict(self.fallbacks),
             "module_fallbacks": {k: dict(v) for k, v in self.module_fallbacks.items()},
             "skipped": dict(self.skipped),
-            "notes": _jsonable(self.notes),
-            "traces": _jsonable(self.traces),
+            "notes": dict(self.notes),
+            "traces": {k: list(v) for k, v in self.traces.items()},
             "finished": self.finished,
         }
 
@@ -147,8 +170,8 @@ class ExecutionLedger:
         return rec
 
     def _bump(self, rec: _RequestRecord, counter: str, n: int) -> None:
-        rec.counters[counter] = rec.counters.get(counter, 0) + n
-        self._totals[counter] = self._totals.get(counter, 0) + n
+        _bounded_add(rec.counters, counter, n, DEFAULT_MAX_KEYS)
+        _bounded_add(self._totals, counter, n, DEFAULT_MAX_KEYS)
 
     # ------------------------------------------------------------------ recording
     def executed(self, module: str, kind: str = "kernel", n: int = 1, *, request_id: str | None = None) -> None:
@@ -162,16 +185,17 @@ class ExecutionLedger:
     def fallback(self, module: str, reason: str, n: int = 1, *, request_id: str | None = None) -> None:
         with self._lock:
             rec = self._record(request_id)
+            reason = str(reason)[:MAX_REASON_CHARS]
             self._bump(rec, "dense_fallback", n)
-            rec.fallbacks[reason] = rec.fallbacks.get(reason, 0) + n
+            _bounded_add(rec.fallbacks, reason, n, DEFAULT_MAX_KEYS)
             if module in rec.module_fallbacks or len(rec.module_fallbacks) < DEFAULT_MAX_MODULES:
                 per = rec.module_fallbacks.setdefault(module, {})
-                per[reason] = per.get(reason, 0) + n
+                _bounded_add(per, reason, n, DEFAULT_MAX_KEYS)
 
     def skipped(self, what: str, n: int = 1, *, request_id: str | None = None) -> None:
         with self._lock:
             rec = self._record(request_id)
-            rec.skipped[what] = rec.skipped.get(what, 0) + n
+            _bounded_add(rec.skipped, what, n, DEFAULT_MAX_KEYS)
             self._bump(rec, f"skipped_{what}", n)
 
     def count(self, counter: str, n: int = 1, *, request_id: str | None = None) -> None:
@@ -179,14 +203,21 @@ class ExecutionLedger:
             self._bump(self._record(request_id), counter, n)
 
     def note(self, key: str, value: Any, *, request_id: str | None = None) -> None:
+        """Keep one small value (stored JSON-serialisable; tensors are never kept)."""
         with self._lock:
-            self._record(request_id).notes[key] = value
+            notes = self._record(request_id).notes
+            if key in notes or len(notes) < DEFAULT_MAX_KEYS:
+                notes[key] = jsonable(value)
 
     def trace(self, key: str, value: Any, *, request_id: str | None = None) -> None:
+        """Append to a capped list (``max_trace`` values per key)."""
         with self._lock:
-            values = self._record(request_id).traces.setdefault(key, [])
+            traces = self._record(request_id).traces
+            if key not in traces and len(traces) >= DEFAULT_MAX_KEYS:
+                return
+            values = traces.setdefault(key, [])
             if len(values) < self.max_trace:
-                values.append(value)
+                values.append(jsonable(value))
 
     def finish(self, request_id: str) -> None:
         with self._lock:
@@ -220,4 +251,5 @@ __all__ = [
     "InstallReceipt",
     "PluginInstallRecord",
     "empty_request_report",
+    "jsonable",
 ]

@@ -101,6 +101,7 @@ class AccelerationRegistry:
         self._group = entry_point_group
         self._allowlist = frozenset(allowlist) if allowlist is not None else None
         self._load_records: list[PluginLoadRecord] = []
+        self._load_errors: list[PluginLoadError] = []
         self._plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._plugin_manager.add_hookspecs(hookspecs)
 
@@ -121,10 +122,7 @@ class AccelerationRegistry:
             DuplicateAccelerationError: ``name`` is taken and ``replace`` is false.
             TypeError: the factory is not callable or the name is not a non-empty string.
         """
-        if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
-            raise TypeError(f"acceleration name must be a non-empty identifier-like string, got {name!r}")
-        if not callable(prepare_factory):
-            raise TypeError(f"prepare_factory for {name!r} must be callable")
+        _validate_registration(name, prepare_factory)
         with self._lock:
             existing = self._entries.get(name)
             if existing is not None and not replace:
@@ -147,16 +145,24 @@ class AccelerationRegistry:
             return tuple(sorted(self._entries))
 
     def get(self, name: str) -> RegisteredAcceleration:
+        """The registration of ``name``.
+
+        Raises:
+            UnknownAccelerationError: ``name`` is not registered (lists the known names). When an entry point of
+                that name failed to load, its :class:`PluginLoadError` is chained as ``__cause__``.
+        """
         self._ensure_discovered()
         with self._lock:
             try:
                 return self._entries[name]
             except KeyError:
-                raise UnknownAccelerationError(name, self._entries) from None
+                cause = next((e for e in self._load_errors if e.entry_point == name), None)
+                raise UnknownAccelerationError(name, self._entries) from cause
 
     def __contains__(self, name: object) -> bool:
         self._ensure_discovered()
-        return name in self._entries
+        with self._lock:
+            return name in self._entries
 
     def load_records(self) -> tuple[PluginLoadRecord, ...]:
         """What discovery did for each entry point (loaded / failed / skipped)."""
@@ -164,11 +170,10 @@ class AccelerationRegistry:
         return tuple(self._load_records)
 
     def load_errors(self) -> tuple[PluginLoadError, ...]:
-        return tuple(
-            PluginLoadError(r.distribution, r.entry_point, RuntimeError(r.error or ""))
-            for r in self.load_records()
-            if r.status == "failed"
-        )
+        """One :class:`PluginLoadError` per entry point that failed to load (its ``cause`` is the original error)."""
+        self._ensure_discovered()
+        with self._lock:
+            return tuple(self._load_errors)
 
     # ------------------------------------------------------------------ discovery
     def _ensure_discovered(self) -> None:
@@ -195,6 +200,7 @@ class AccelerationRegistry:
 
             def register(name: str, prepare_factory: Callable[..., Any], *, replace: bool = False,
                          _ep: Any = ep, _dist: str = dist_name, _ver: str = dist_version) -> None:
+                _validate_registration(name, prepare_factory)
                 if not replace and (name in self._entries or name in staged):
                     raise DuplicateAccelerationError(
                         f"acceleration {name!r} registered twice (second time by {_dist}); pass replace=True"
@@ -204,8 +210,9 @@ class AccelerationRegistry:
 
             try:
                 module = ep.load()
-                plugin_name = f"{dist_name}:{ep.name}"
-                if self._plugin_manager.get_plugin(plugin_name) is None:
+                plugin_name = self._plugin_manager.get_name(module)  # two entry points may name one module
+                if plugin_name is None:
+                    plugin_name = f"{dist_name}:{ep.name}"
                     self._plugin_manager.register(module, name=plugin_name)
                 impls = [
                     impl
@@ -223,6 +230,7 @@ class AccelerationRegistry:
             except Exception as exc:  # a broken plugin must not break the others
                 error = PluginLoadError(dist_name, ep.name, exc)
                 logger.warning("%s", error)
+                self._load_errors.append(error)
                 self._load_records.append(
                     PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "failed", (), f"{type(exc).__name__}: {exc}")
                 )
@@ -230,6 +238,13 @@ class AccelerationRegistry:
             self._load_records.append(
                 PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "loaded", tuple(registered))
             )
+
+
+def _validate_registration(name: Any, prepare_factory: Any) -> None:
+    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise TypeError(f"acceleration name must be a non-empty identifier-like string, got {name!r}")
+    if not callable(prepare_factory):
+        raise TypeError(f"prepare_factory for {name!r} must be callable")
 
 
 _DEFAULT_REGISTRY: AccelerationRegistry | None = None

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from worldfoundry.core.acceleration.guard import RequestGuard, get_request_guard
-from worldfoundry.core.acceleration.prepared import AccelerationHandle, PreparedAcceleration
-from worldfoundry.core.acceleration.receipts import InstallReceipt
+from worldfoundry.core.acceleration.prepared import AccelerationHandle, PreparedAcceleration, is_role
+from worldfoundry.core.acceleration.receipts import InstallReceipt, jsonable
 from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
 from worldfoundry.errors import AccelerationRestoreError
 
@@ -65,10 +67,21 @@ class AccelerationSession:
 
     # ------------------------------------------------------------------ request callbacks (from the guard)
     def on_begin_request(self, request_id: str) -> None:
-        for entry in self._active:
-            begin = getattr(entry.handle, "begin_request", None)
-            if begin is not None:
-                begin(request_id)
+        """Tell every handle a request begins. If one refuses, the handles already told are ended again."""
+        begun: list[ActiveAcceleration] = []
+        try:
+            for entry in self._active:
+                begin = getattr(entry.handle, "begin_request", None)
+                if begin is not None:
+                    begin(request_id)
+                    begun.append(entry)
+        except BaseException:
+            for entry in reversed(begun):
+                try:
+                    entry.handle.end_request(request_id)  # type: ignore[attr-defined]
+                except Exception as exc:  # the original error is the one to report
+                    logger.error("ending request %r on %s after a failed begin failed: %s", request_id, entry.name, exc)
+            raise
 
     def on_end_request(self, request_id: str) -> None:
         errors: list[BaseException] = []
@@ -90,13 +103,20 @@ class AccelerationSession:
 
     # ------------------------------------------------------------------ reports
     def execution_report(self) -> dict[str, Any]:
-        """Per plugin, per expert: the handle's execution report (bounded, JSON-serialisable)."""
+        """Per plugin, per expert: the handle's execution report (bounded, JSON-serialisable).
+
+        Each expert's report also lists the plugin's ``claims`` and, for every request the ledger kept,
+        ``claimed_not_executed``: claimed module paths with no ``executed`` record in that request (a configured
+        module that never ran is visible as such). After :meth:`uninstall` the last report is returned.
+        """
         if self._final_report is not None:
-            return self._final_report
+            return copy.deepcopy(self._final_report)
         plugins: dict[str, dict[str, Any]] = {}
         for entry in self._active:
             report_fn = getattr(entry.handle, "execution_report", None)
             report = report_fn() if report_fn is not None else {"plugin": entry.name, "reports_execution": False}
+            report = jsonable(report) if isinstance(report, Mapping) else {"plugin": entry.name, "report": str(report)}
+            _add_claim_coverage(report, entry.prepared.claims)
             plugins.setdefault(entry.name, {})[entry.expert] = report
         return {"installed": True, "execution_verified": False, "plugins": plugins}
 
@@ -112,6 +132,8 @@ class AccelerationSession:
         if not self.installed:
             return
         with self._guard.mutation("uninstall accelerations"):
+            if not self.installed:  # another thread finished the uninstall first
+                return
             report = self.execution_report()
             report["installed"] = False
             errors = deactivate_all(self._active)
@@ -128,13 +150,33 @@ class AccelerationSession:
             self._active.clear()
             self._snapshots.clear()
             self._targets.clear()
-        gc.collect()
+        _collect_device_garbage()
         if errors:
             raise AccelerationRestoreError(errors)
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else "uninstalled"
         return f"AccelerationSession({list(self.names)}, {state})"
+
+
+def _collect_device_garbage() -> None:
+    """Derived tensors are freed by reference counting once the handles drop them; on a CUDA process a full
+    collection also frees any caught in reference cycles, so their device memory is reusable right away.
+    (Skipped elsewhere: a full collection costs a noticeable fraction of a second in a process holding torch.)"""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+
+
+def _add_claim_coverage(report: dict[str, Any], claims: frozenset[str]) -> None:
+    paths = sorted(c for c in claims if not is_role(c))
+    report["claims"] = sorted(claims)
+    requests = report.get("requests")
+    if not isinstance(requests, Mapping):
+        return
+    for record in requests.values():
+        if isinstance(record, dict) and isinstance(record.get("modules"), Mapping):
+            ran = record["modules"]
+            record["claimed_not_executed"] = [p for p in paths if p not in ran]
 
 
 def deactivate_all(active: list[ActiveAcceleration]) -> list[BaseException]:

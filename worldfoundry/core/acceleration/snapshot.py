@@ -23,6 +23,8 @@ _CONTAINERS = (
     "_forward_hooks_always_called",
     "_forward_hooks_with_kwargs",
     "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
     "_state_dict_hooks",
     "_state_dict_pre_hooks",
     "_load_state_dict_pre_hooks",

@@ -176,6 +176,9 @@ class RuntimePolicy:
 
     def replace(self, **changes: Any) -> RuntimePolicy:
         """A copy with some fields changed; ``options`` given here are merged over the current ones."""
+        unknown = sorted(set(changes) - {"device", "dtype", "options"})
+        if unknown:
+            raise PolicyError(f"replace: unknown field(s) {unknown}; fields: device, dtype, options")
         options = thaw(self.options)
         options.update(changes.pop("options", {}))
         return RuntimePolicy(

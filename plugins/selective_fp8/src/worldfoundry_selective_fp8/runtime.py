@@ -142,7 +142,8 @@ class SelectiveFP8Runtime:
     def _clip_counter(self, path: str, device: torch.device) -> torch.Tensor:
         counter = self._clip_counters.get(path)
         if counter is None or counter.device != device:
-            with self._clip_lock:
+            # a normal tensor even when created under inference_mode, so flush_clips can reset it anywhere
+            with self._clip_lock, torch.inference_mode(False):
                 counter = torch.zeros(1, dtype=torch.int32, device=device)
                 self._clip_counters[path] = counter
         return counter

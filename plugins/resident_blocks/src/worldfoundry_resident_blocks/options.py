@@ -1,0 +1,165 @@
+"""resident_blocks options: a frozen, validated dataclass built from the spec mapping or an estimator config."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from worldfoundry.core.offload.estimator import uniform_resident_indices
+from worldfoundry.errors import AccelerationOptionsError
+
+NAME: Final = "resident_blocks"
+#: Keys of the spec mapping.
+SPEC_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices", "config")
+#: Keys an estimator config file may hold (``worldfoundry estimate-residency`` writes all four).
+CONFIG_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices",
+                      "num_blocks")
+
+
+def _error(message: str) -> AccelerationOptionsError:
+    return AccelerationOptionsError(NAME, message)
+
+
+def _read_config(path_value: Any) -> dict[str, Any]:
+    if not isinstance(path_value, str | os.PathLike) or not os.fspath(path_value):
+        raise _error(f"config: expected a path to an estimator config JSON, got {path_value!r}")
+    path = Path(os.fspath(path_value))
+    if not path.is_file():
+        raise _error(f"config: {path} does not exist; run `worldfoundry estimate-residency ...` to write it")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _error(f"config: cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _error(f"config: {path} must hold a JSON object")
+    unknown = sorted(str(k) for k in data if k not in CONFIG_KEYS)
+    if unknown:
+        raise _error(f"config: {path} has unknown key(s) {unknown}; known keys: {list(CONFIG_KEYS)}")
+    if "offload_resident_blocks" not in data:
+        raise _error(f"config: {path} has no offload_resident_blocks")
+    return data
+
+
+@dataclass(frozen=True)
+class Options:
+    """resident_blocks options.
+
+    Args:
+        offload_resident_blocks: r, blocks kept on the device for a whole request (0 = none; every block
+            streams through the two slots).
+        cpu_offload_block_contiguous: ``True``: one pinned slab and one copy per block; ``False``: one pinned
+            host tensor and one copy per weight. Booleans only.
+        resident_block_indices: which blocks are resident (length r, distinct); default evenly spread
+            (``uniform_resident_indices(N, r)``).
+        num_blocks: N the indices were estimated for (from an estimator config); checked against the model.
+        config: the estimator config file these values were read from (for the receipt).
+
+    Raises:
+        AccelerationOptionsError: a value has the wrong type or is out of range.
+
+    Example:
+        >>> Options.from_mapping({"offload_resident_blocks": 3}).resolve_indices(30)
+        (0, 10, 20)
+    """
+
+    offload_resident_blocks: int = 0
+    cpu_offload_block_contiguous: bool = False
+    resident_block_indices: tuple[int, ...] | None = None
+    num_blocks: int | None = None
+    config: str | None = None
+
+    def __post_init__(self) -> None:
+        r = self.offload_resident_blocks
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise _error(f"offload_resident_blocks: expected an integer >= 0, got {r!r}")
+        if not isinstance(self.cpu_offload_block_contiguous, bool):
+            raise _error(
+                f"cpu_offload_block_contiguous: expected true or false, got {self.cpu_offload_block_contiguous!r}"
+            )
+        if self.num_blocks is not None and (isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int)
+                                            or self.num_blocks < 1):
+            raise _error(f"num_blocks: expected an integer >= 1, got {self.num_blocks!r}")
+        indices = self.resident_block_indices
+        if indices is not None:
+            if isinstance(indices, str | bytes) or not isinstance(indices, list | tuple):
+                raise _error(f"resident_block_indices: expected a list of integers, got {indices!r}")
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices):
+                raise _error(f"resident_block_indices: expected integers >= 0, got {list(indices)!r}")
+            if len(set(indices)) != len(indices):
+                raise _error(f"resident_block_indices: indices repeat: {list(indices)!r}")
+            if len(indices) != r:
+                raise _error(
+                    f"resident_block_indices lists {len(indices)} block(s) but offload_resident_blocks is {r}"
+                )
+            object.__setattr__(self, "resident_block_indices", tuple(sorted(indices)))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> Options:
+        """Build from the spec mapping; unknown keys are rejected by name.
+
+        ``{"config": "save_results/resident_blocks_config.json"}`` reads the estimator's config; keys given
+        next to it override the file (a different ``offload_resident_blocks`` drops the file's indices, so
+        the new r is spread evenly again).
+
+        Raises:
+            AccelerationOptionsError: unknown key, wrong type, out-of-range value, unreadable config.
+        """
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise _error(f"options: expected a mapping, got {type(options).__name__}")
+        unknown = sorted(str(k) for k in options if k not in SPEC_KEYS)
+        if unknown:
+            raise _error(f"unknown option(s) {unknown}; known options: {list(SPEC_KEYS)}")
+        values: dict[str, Any] = {}
+        config_path = None
+        if "config" in options:
+            values = _read_config(options["config"])
+            config_path = os.fspath(options["config"])
+        explicit = {k: v for k, v in options.items() if k != "config"}
+        if ("offload_resident_blocks" in explicit and "resident_block_indices" not in explicit
+                and explicit["offload_resident_blocks"] != values.get("offload_resident_blocks")):
+            values.pop("resident_block_indices", None)
+        values.update(explicit)
+        if "resident_block_indices" in values and "offload_resident_blocks" not in values:
+            indices = values["resident_block_indices"]
+            if isinstance(indices, list | tuple):
+                values["offload_resident_blocks"] = len(indices)
+        if isinstance(values.get("resident_block_indices"), list):
+            values["resident_block_indices"] = tuple(values["resident_block_indices"])
+        return cls(config=config_path, **values)
+
+    def resolve_indices(self, num_blocks: int) -> tuple[int, ...]:
+        """The resident block indices for a model with ``num_blocks`` blocks.
+
+        Raises:
+            AccelerationOptionsError: r > N, an index ≥ N, or a config estimated for another N.
+        """
+        if self.num_blocks is not None and self.num_blocks != num_blocks:
+            where = f" ({self.config})" if self.config else ""
+            raise _error(
+                f"the residency config{where} was estimated for {self.num_blocks} blocks but the model has "
+                f"{num_blocks}; run estimate-residency for this model"
+            )
+        r = self.offload_resident_blocks
+        if r > num_blocks:
+            raise _error(f"offload_resident_blocks is {r} but the model has only {num_blocks} blocks")
+        if self.resident_block_indices is None:
+            return tuple(uniform_resident_indices(num_blocks, r))
+        bad = [i for i in self.resident_block_indices if i >= num_blocks]
+        if bad:
+            raise _error(f"resident_block_indices {bad} are outside 0..{num_blocks - 1}")
+        return self.resident_block_indices
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offload_resident_blocks": self.offload_resident_blocks,
+            "cpu_offload_block_contiguous": self.cpu_offload_block_contiguous,
+            "resident_block_indices": list(self.resident_block_indices) if self.resident_block_indices else None,
+            "num_blocks": self.num_blocks,
+            "config": self.config,
+        }

@@ -1,0 +1,111 @@
+"""Glue: registration, ``prepare`` (validation only) and ``activate`` of ``wan_cross_kv_fusion``.
+
+``prepare`` checks that the model is a Wan transformer with the stock attention processor, that its cross-attention
+K/V projections are plain float Linears without hooks, and claims those projections plus
+``role:static_kv_cache`` (so any other plugin selecting the same K/V — e.g. ``selective_fp8`` — conflicts before
+activation, whatever the order in the spec). ``activate`` wraps the projections and adds a forward pre-hook and an
+always-called forward hook on the model (all recorded); the runtime lives in :mod:`.handle`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.nn as nn
+
+import worldfoundry
+from worldfoundry.base_models.diffusion_model.optimizations.attention_sites import (
+    ProjectionGroup,
+    check_attention_site,
+    projection_groups,
+    wan_conditioning_modules,
+    wan_conditioning_positions,
+)
+from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
+from worldfoundry.base_models.diffusion_model.optimizations.plugins import PatchRecorder, PreparedAcceleration
+from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
+from worldfoundry.core.acceleration.prepared import ROLE_OFFLOAD, ROLE_STATIC_KV_CACHE
+from worldfoundry.core.attention.packed_storage import check_linears_packable
+from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.errors import AccelerationRefusedError, ParameterPackingError
+from worldfoundry_wan_cross_kv_fusion.handle import WanCrossKVHandle
+from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
+
+logger = logging.getLogger(__name__)
+
+
+@worldfoundry.hookimpl
+def register_diffusion_accelerations(register: Callable[..., None]) -> None:
+    """Called once by the registry when it discovers this distribution's entry point."""
+    register(PLUGIN_NAME, prepare)
+
+
+def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
+    """Validate ``options`` against ``model``; change nothing.
+
+    Raises:
+        AccelerationOptionsError: unknown or invalid options.
+        AccelerationRefusedError: not a Wan transformer; compiled / CUDA-graph / sequence-parallel / hooked /
+            training model; unknown attention processor or diffusers' fused projections; K/V projections that
+            are not plain float Linears of one dtype/device; ``include_image`` on a model without image K/V.
+    """
+    opts = Options.from_mapping(options)
+    family = family_of(model, plugin=PLUGIN_NAME)
+    if family.name != "wan":
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, f"only Wan transformers have the text cross-attention this plugin packs, got {family.name}"
+        )
+    refuse_common(model, PLUGIN_NAME)
+    sites = family.attention_sites(model, kinds=("cross",))
+    if not sites:
+        raise AccelerationRefusedError(PLUGIN_NAME, f"{type(model).__name__} has no cross-attention")
+    if opts.include_image and not any(site.image_kv for site in sites):
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, "include_image=True but the model has no image K/V projections (not an I2V model)"
+        )
+    groups: list[ProjectionGroup] = []
+    for site in sites:
+        check_attention_site(site, family, PLUGIN_NAME)
+        for group in projection_groups(site, include_image=opts.include_image):
+            named = group.named_modules()
+            refuse_module_hooks(named, PLUGIN_NAME)
+            try:
+                check_linears_packable(named, share_storage=False)
+            except ParameterPackingError as exc:
+                raise AccelerationRefusedError(PLUGIN_NAME, f"cannot pack {group.name} of {site.path}: {exc}") from exc
+            groups.append(group)
+    derived_bytes = sum(m.weight.numel() * m.weight.element_size() + (m.bias.numel() * m.bias.element_size()
+                                                                      if m.bias is not None else 0)
+                        for g in groups for m in g.modules())
+    claims = {path for g in groups for path in g.paths()} | {ROLE_STATIC_KV_CACHE}
+    return PreparedAcceleration(
+        name=PLUGIN_NAME,
+        claims=frozenset(claims),
+        activate=lambda: activate(model, opts, groups),
+        incompatible_with=frozenset({ROLE_OFFLOAD}),
+        options=opts.to_json(),
+        exact=True,
+        notes=(
+            f"derived packed K/V weights add {derived_bytes} bytes; the original Parameters are kept",
+            "static K/V computed once per (request, CFG branch, expert) and reused while the conditioning inputs "
+            "and weights are unchanged",
+            "packed K/V checked bitwise against the separate projections on the first call of every input shape",
+        ),
+    )
+
+
+def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup]) -> WanCrossKVHandle:
+    """Wrap the K/V projections and hook the model forward; undone on failure part-way."""
+    handle = WanCrossKVHandle(model, opts, wan_conditioning_modules(model), wan_conditioning_positions(model))
+    with PatchRecorder(PLUGIN_NAME) as recorder:
+        recorder.hook(model.register_forward_pre_hook(handle.enter_forward, with_kwargs=True),
+                      f"{PLUGIN_NAME} conditioning pre-hook")
+        recorder.hook(model.register_forward_hook(handle.exit_forward, always_call=True),
+                      f"{PLUGIN_NAME} conditioning hook")
+        for group in groups:
+            handle.add_group(recorder, group)
+        handle.patches = recorder.pop_all()
+    logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
+    return handle

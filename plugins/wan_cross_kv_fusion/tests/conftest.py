@@ -1,0 +1,106 @@
+"""Tiny Wan models (T2V, I2V), a fresh registry and a helper that drives a request step by step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from worldfoundry_wan_cross_kv_fusion.plugin import prepare
+
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.guard import get_request_guard
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+
+TEXT_TOKENS = 512  # Wan's processor splits image tokens off the front of a 512-token text context
+
+
+@dataclass
+class WanCase:
+    model: nn.Module
+    image: bool
+    prompts: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_embeds: torch.Tensor | None = None
+
+    def latents(self, step: int) -> torch.Tensor:
+        return torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(100 + step))
+
+    def call(self, step: int, branch: str, prompt: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"encoder_hidden_states": self.prompts[branch] if prompt is None else prompt}
+        if self.image_embeds is not None:
+            kwargs["encoder_hidden_states_image"] = self.image_embeds
+        with torch.no_grad():
+            return self.model(self.latents(step), torch.tensor([900 - 100 * step]), **kwargs, return_dict=False)[0]
+
+    def run_request(self, request_id: str, steps: int, branches: tuple[str, ...] = ("cond", "uncond"),
+                    before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        """Begin a request on the model's guard, run steps x branches inside request scopes, end it."""
+        guard = get_request_guard(self.model)
+        outputs = []
+        guard.begin_request(request_id)
+        try:
+            for step in range(steps):
+                if before_step is not None:
+                    before_step(step)
+                for branch in branches:
+                    ctx = RequestContext(request_id, branch, step, float(900 - 100 * step), None, steps)
+                    with request_scope(ctx):
+                        outputs.append(self.call(step, branch))
+        finally:
+            guard.end_request(request_id)
+        return outputs
+
+    def dense_outputs(self, steps: int, branches: tuple[str, ...] = ("cond", "uncond")) -> list[torch.Tensor]:
+        return [self.call(step, branch) for step in range(steps) for branch in branches]
+
+
+def build_wan(image: bool = False, seed: int = 0) -> WanCase:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    extra = {"image_dim": 32, "added_kv_proj_dim": 64} if image else {}
+    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+                                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+                                  **extra).eval()
+    g = torch.Generator().manual_seed(7)
+    tokens = TEXT_TOKENS if image else 24
+    case = WanCase(model, image, {"cond": torch.randn(1, tokens, 32, generator=g),
+                                  "uncond": torch.randn(1, tokens, 32, generator=g)})
+    if image:
+        case.image_embeds = torch.randn(1, 4, 32, generator=g)
+    return case
+
+
+@pytest.fixture
+def wan() -> WanCase:
+    return build_wan()
+
+
+@pytest.fixture
+def wan_i2v() -> WanCase:
+    return build_wan(image=True)
+
+
+@pytest.fixture
+def builders() -> Callable[..., WanCase]:
+    return build_wan
+
+
+@pytest.fixture
+def registry() -> AccelerationRegistry:
+    reg = AccelerationRegistry(discover=False)
+    reg.register("wan_cross_kv_fusion", prepare)
+    return reg
+
+
+def record_of(session: Any, request_id: str, expert: str = "model") -> dict[str, Any]:
+    return session.execution_report()["plugins"]["wan_cross_kv_fusion"][expert]["requests"][request_id]
+
+
+@pytest.fixture
+def record() -> Callable[..., dict[str, Any]]:
+    """``record(session, request_id)``: the plugin's execution record of one request."""
+    return record_of

@@ -1,0 +1,97 @@
+"""Estimator maths: r from (N − r)·d ≤ N·c and evenly spread resident indices (property tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worldfoundry.core.offload.estimator import (
+    CONFIG_FILENAME,
+    REPORT_JSON_FILENAME,
+    REPORT_MD_FILENAME,
+    estimate_residency,
+    resident_count,
+    uniform_resident_indices,
+    write_estimate,
+)
+
+times = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(min_value=1, max_value=200), c=times, d=times)
+def test_r_is_the_smallest_count_meeting_the_budget(n: int, c: float, d: float) -> None:
+    r = resident_count(n, c, d)
+    assert 0 <= r <= n
+    assert (n - r) * d <= n * c or r == n
+    if r > 0:
+        assert (n - (r - 1)) * d > n * c  # one fewer would break the budget
+    if d <= c:
+        assert r == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(min_value=1, max_value=120), c=st.floats(min_value=1e-3, max_value=100.0),
+       ratio=st.floats(min_value=1.0, max_value=50.0))
+def test_r_grows_with_transfer_time(n: int, c: float, ratio: float) -> None:
+    assert resident_count(n, c, c * ratio) <= resident_count(n, c, c * ratio * 1.5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_uniform_indices_are_evenly_spread(data) -> None:
+    n = data.draw(st.integers(min_value=0, max_value=300))
+    r = data.draw(st.integers(min_value=0, max_value=n))
+    idx = uniform_resident_indices(n, r)
+    assert len(idx) == r and len(set(idx)) == r and idx == sorted(idx)
+    assert all(0 <= i < n for i in idx)
+    if r:
+        assert idx[0] == 0
+        gaps = [b - a for a, b in zip(idx, idx[1:])] + [n - idx[-1] + idx[0]]  # wrap to the next forward
+        assert max(gaps) - min(gaps) <= 1
+        assert sum(gaps) == n
+    if r == n:
+        assert idx == list(range(n))
+
+
+def test_known_values() -> None:
+    assert resident_count(30, 1.27, 1.8) == 9  # Wan-1.3B W17-like: d > c
+    assert resident_count(50, 37.0, 23.4) == 0  # MiniMax-H3 at 16,384 rows: d < c
+    assert resident_count(4, 0.0, 1.0) == 4
+    assert resident_count(4, 1.0, 0.0) == 0
+    assert resident_count(10, 1.0, 2.0) == 5  # exactly on the boundary: (10 − 5)·2 = 10·1
+    assert uniform_resident_indices(10, 3) == [0, 3, 6]
+    assert uniform_resident_indices(5, 0) == []
+
+
+@pytest.mark.parametrize("bad", [(0, 1.0, 1.0), (3, -1.0, 1.0), (3, 1.0, float("nan")), (3, float("inf"), 1.0),
+                                 (True, 1.0, 1.0)])
+def test_resident_count_rejects_bad_input(bad) -> None:
+    with pytest.raises(ValueError):
+        resident_count(*bad)
+
+
+@pytest.mark.parametrize("n, r", [(-1, 0), (3, 4), (3, -1), (True, 0), (3, 1.0)])
+def test_uniform_indices_reject_bad_input(n, r) -> None:
+    with pytest.raises(ValueError):
+        uniform_resident_indices(n, r)
+
+
+def test_estimate_config_and_report(tmp_path) -> None:
+    est = estimate_residency(30, 1.27, 1.8, contiguous=True, context={"device": "cuda:0", "dtype": "bfloat16"})
+    assert est.resident == 9 and est.streamed == 21
+    assert est.indices == tuple(uniform_resident_indices(30, 9))
+    assert est.copy_need_ms <= est.copy_budget_ms
+    paths = write_estimate(est, tmp_path / "out")
+    assert {p.name for p in paths.values()} == {CONFIG_FILENAME, REPORT_JSON_FILENAME, REPORT_MD_FILENAME}
+    config = json.loads(paths["config"].read_text())
+    assert config == {"offload_resident_blocks": 9, "cpu_offload_block_contiguous": True,
+                      "resident_block_indices": list(est.indices), "num_blocks": 30}
+    report = json.loads(paths["report_json"].read_text())
+    assert report["compute_ms"] == 1.27 and report["transfer_ms"] == 1.8 and report["layout"] == "contiguous"
+    assert report["device"] == "cuda:0" and "re-estimate" in report["note"]
+    markdown = paths["report_md"].read_text()
+    assert "r = **9** of N = 30" in markdown and "re-estimate" in markdown

@@ -1,0 +1,180 @@
+"""``worldfoundry estimate-residency``: measure one block (compute c, transfer d) and write the r config.
+
+Example:
+    worldfoundry estimate-residency --recipe wan2.1-t2v-1.3b --random-weights --frames 17 --height 320 \\
+        --width 576 --device cuda --out save_results/
+
+writes ``save_results/resident_blocks_config.json`` (pass it as
+``{"resident_blocks": {"config": "save_results/resident_blocks_config.json"}}``) and a report
+(``resident_blocks_report.json`` / ``.md``). On the CPU the measurement runs in emulated mode (for testing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+DEFAULT_OUT = "save_results"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``estimate-residency`` sub-parser (``func=run``)."""
+    p = subparsers.add_parser(
+        "estimate-residency",
+        help="measure one DiT block (compute c, host-to-device d) and write the resident_blocks config",
+        description="Measure the compute time c and the pinned host-to-device transfer time d of one real block "
+                    "of the recipe's DiT at the request's shape, then write the resident_blocks config with the "
+                    "smallest r such that (N - r) * d <= N * c, and a report. Re-estimate when the device, "
+                    "weights, shape, dtype, layout or kernels change.",
+    )
+    p.add_argument("--recipe", required=True, help="recipe name or YAML path, or a diffusers transformer config.json")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory (reads one block)")
+    weights.add_argument("--random-weights", action="store_true", help="seeded random weights for the block")
+    p.add_argument("--frames", type=int, default=None, help="video frames of the request (recipe default if omitted)")
+    p.add_argument("--height", type=int, default=None, help="video height in pixels (recipe default if omitted)")
+    p.add_argument("--width", type=int, default=None, help="video width in pixels (recipe default if omitted)")
+    p.add_argument("--sequence-length", type=int, default=None,
+                   help="MiniMax-H3 packed rows (default: text rows + video rows of the size)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, or cpu (emulated); default cuda when available")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype of the block (default bfloat16)")
+    p.add_argument("--contiguous", action="store_true",
+                   help="measure d with one contiguous slab per block (cpu_offload_block_contiguous=true)")
+    p.add_argument("--block-index", type=int, default=0, help="which block to measure (default 0)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before sampling (default 3)")
+    p.add_argument("--samples", type=int, default=10, help="timed samples; the median is used (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and activations")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
+    p.set_defaults(func=run)
+
+
+def _recipe_defaults(recipe: str) -> tuple[dict[str, Any], bool]:
+    try:
+        from worldfoundry.core.model_loading.recipes import load_recipe
+
+        loaded = load_recipe(recipe)
+    except Exception:  # a config.json or an unknown recipe: no defaults
+        return {}, False
+    return dict(loaded.defaults), bool(loaded.offline)
+
+
+def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """Run the measurement. Returns ``(ResidencyEstimate, paths)``.
+
+    Raises:
+        WorldFoundryError: bad recipe, missing weights or an unsupported family.
+        ValueError: bad sizes or counts.
+    """
+    import diffusers
+    import torch
+
+    from worldfoundry.core.model_loading.policy import (
+        dtype_name,
+        parse_device,
+        parse_dtype,
+    )
+    from worldfoundry.core.offload.block_probe import (
+        build_probe_block,
+        build_probe_inputs,
+        resolve_dit_source,
+    )
+    from worldfoundry.core.offload.estimator import estimate_residency, write_estimate
+    from worldfoundry.core.offload.host_storage import HostBlockStorage
+    from worldfoundry.core.offload.layout import BlockLayout
+    from worldfoundry.core.offload.measure import (
+        time_block_compute,
+        time_block_transfer,
+    )
+
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here (use --device cpu for the emulated mode)")
+    dtype = parse_dtype(args.dtype)
+    defaults, offline = _recipe_defaults(args.recipe)
+    frames = args.frames or defaults.get("num_frames")
+    height = args.height or defaults.get("height")
+    width = args.width or defaults.get("width")
+    if not (frames and height and width):
+        raise ValueError("--frames, --height and --width are required (the recipe has no defaults for them)")
+    source = resolve_dit_source(args.recipe, args.checkpoint_dir)
+    random_weights = args.random_weights or (offline and args.checkpoint_dir is None)
+    probe = build_probe_block(source, device=device, dtype=dtype, random_weights=random_weights,
+                              index=args.block_index, seed=args.seed)
+    inputs = build_probe_inputs(probe, frames=frames, height=height, width=width, device=device, dtype=dtype,
+                                sequence_length=args.sequence_length, seed=args.seed)
+    compute = time_block_compute(probe.block, inputs.make, device=device, warmup=args.warmup, samples=args.samples)
+    named = list(probe.block.named_parameters())
+    layout = BlockLayout.from_tensors(named)
+    storage = HostBlockStorage.from_tensors(layout, [p for _, p in named], contiguous=args.contiguous,
+                                            pin=device.type == "cuda", device=device)
+    transfer = time_block_transfer(storage, device=device, warmup=args.warmup, samples=args.samples)
+    copy_bytes, copies, pinned = storage.nbytes, storage.copies_per_load, storage.pin_method
+    storage.release()
+    emulated = device.type != "cuda"
+    context = {
+        "recipe": args.recipe,
+        "config_source": source.origin,
+        "model_class": probe.model_class.__name__,
+        "family": probe.family,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if not emulated else "cpu (emulated)",
+        "emulated": emulated,
+        "dtype": dtype_name(dtype),
+        "weights": probe.weights,
+        "block_path": probe.path,
+        "block_bytes": copy_bytes,
+        "frames": frames,
+        "height": height,
+        "width": width,
+        "tokens": inputs.tokens,
+        "input_shapes": dict(inputs.shapes),
+        "compute": compute.to_json(),
+        "transfer": transfer.to_json(),
+        "transfer_gb_per_s": round(copy_bytes / (transfer.median_ms * 1e6), 2) if transfer.median_ms > 0 else None,
+        "copies_per_block": copies,
+        "pinned": pinned,
+        "warmup": args.warmup,
+        "samples": args.samples,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+    }
+    estimate = estimate_residency(probe.num_blocks, compute.median_ms, transfer.median_ms,
+                                  contiguous=args.contiguous, context=context)
+    paths = write_estimate(estimate, args.out)
+    return estimate, paths
+
+
+def run(args: argparse.Namespace) -> int:
+    from worldfoundry.errors import WorldFoundryError
+
+    try:
+        estimate, paths = measure(args)
+    except (WorldFoundryError, ValueError, OSError) as exc:
+        print(f"worldfoundry estimate-residency: {exc}", file=sys.stderr)
+        return 2
+    report = estimate.to_report()
+    print(f"device {report['device_name']} ({report['device']}), dtype {report['dtype']}, layout {report['layout']}, "
+          f"{report['tokens']} tokens")
+    print(f"c = {estimate.compute_ms:.3f} ms/block, d = {estimate.transfer_ms:.3f} ms/block, N = {estimate.num_blocks}")
+    print(f"r = {estimate.resident} resident blocks {list(estimate.indices)}; {estimate.streamed} streamed")
+    if report.get("emulated"):
+        print("emulated mode (CPU): the times are CPU times and say nothing about a GPU")
+    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``estimate-residency`` on its own (``python -m worldfoundry.cli.estimate_residency_cmd ...``)."""
+    parser = argparse.ArgumentParser(prog="worldfoundry")
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    args = parser.parse_args(["estimate-residency", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

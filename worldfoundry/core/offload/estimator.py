@@ -1,0 +1,216 @@
+"""Residency estimator maths: how many blocks to keep resident (r) and which ones.
+
+Model: a forward runs N blocks, each computing for ``c`` ms; a streamed block needs a host-to-device copy
+of ``d`` ms on a separate copy stream. Copies of the N − r streamed blocks can hide behind the compute of
+the whole forward when the budget
+
+    (N − r) · d ≤ N · c
+
+holds; r is the smallest integer that satisfies it (0 when d ≤ c). The budget is a total: with only two
+slots a single copy can still make the compute wait, so r is an estimate, not a guarantee, and it does not
+account for free device memory (slots, non-block weights and activations also live there).
+
+The r resident blocks are spread evenly (:func:`uniform_resident_indices`) so the copy stream gets regular
+windows in which a resident block computes without needing a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+#: File names the estimator writes into its output directory.
+CONFIG_FILENAME: Final = "resident_blocks_config.json"
+REPORT_JSON_FILENAME: Final = "resident_blocks_report.json"
+REPORT_MD_FILENAME: Final = "resident_blocks_report.md"
+
+RE_ESTIMATE_NOTE: Final = (
+    "re-estimate when the device, the weights, the input shape (frames/height/width), the dtype, the layout "
+    "or the kernels change; r is computed for these measurements only"
+)
+
+
+def uniform_resident_indices(num_blocks: int, resident: int) -> list[int]:
+    """``resident`` block indices spread evenly over ``num_blocks``, starting at block 0.
+
+    Index ``i`` is ``floor(i * N / r)``: the gaps between consecutive indices (and the wrap-around gap back
+    to block 0 of the next forward) differ by at most one block, so every run of streamed blocks between
+    two resident ones has the same length ±1. Block 0 is resident whenever r > 0, which hides the first
+    copy of a forward behind a resident block's compute.
+
+    Args:
+        num_blocks: N ≥ 0.
+        resident: r with 0 ≤ r ≤ N.
+
+    Returns:
+        Sorted, distinct indices (``[]`` for r = 0, ``range(N)`` for r = N).
+
+    Raises:
+        ValueError: r or N out of range.
+
+    Example:
+        >>> uniform_resident_indices(30, 9)
+        [0, 3, 6, 10, 13, 16, 20, 23, 26]
+    """
+    if isinstance(num_blocks, bool) or isinstance(resident, bool):
+        raise ValueError("num_blocks and resident must be integers, not booleans")
+    if not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+    if not isinstance(resident, int) or not 0 <= resident <= num_blocks:
+        raise ValueError(f"resident must be an integer in 0..{num_blocks}, got {resident!r}")
+    return [(i * num_blocks) // resident for i in range(resident)]
+
+
+def resident_count(num_blocks: int, compute_ms: float, transfer_ms: float) -> int:
+    """The smallest r in 0..N with (N − r) · d ≤ N · c.
+
+    Args:
+        num_blocks: N ≥ 1.
+        compute_ms: c, compute time of one block (≥ 0, finite).
+        transfer_ms: d, host-to-device time of one block (≥ 0, finite).
+
+    Returns:
+        r (0 when d ≤ c, N when c = 0 and d > 0).
+
+    Raises:
+        ValueError: N < 1 or a time that is negative or not finite.
+
+    Example:
+        >>> resident_count(30, compute_ms=1.27, transfer_ms=1.8)
+        9
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+    for label, value in (("compute_ms", compute_ms), ("transfer_ms", transfer_ms)):
+        if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
+    n, c, d = num_blocks, float(compute_ms), float(transfer_ms)
+    if d <= c:
+        return 0
+    # Start from the closed form and correct for floating-point rounding at the boundary.
+    r = min(n, max(0, math.ceil(n - n * c / d)))
+    while r > 0 and (n - (r - 1)) * d <= n * c:
+        r -= 1
+    while r < n and (n - r) * d > n * c:
+        r += 1
+    return r
+
+
+@dataclass(frozen=True)
+class ResidencyEstimate:
+    """The estimator's answer and the measurements behind it.
+
+    Attributes:
+        num_blocks / compute_ms / transfer_ms: N, c and d.
+        resident: r.
+        indices: :func:`uniform_resident_indices` (N, r).
+        contiguous: the layout d was measured in (``cpu_offload_block_contiguous``).
+        context: what was measured (device, shapes, dtype, recipe, samples, ...), JSON-serialisable.
+    """
+
+    num_blocks: int
+    compute_ms: float
+    transfer_ms: float
+    resident: int
+    indices: tuple[int, ...]
+    contiguous: bool
+    context: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def streamed(self) -> int:
+        return self.num_blocks - self.resident
+
+    @property
+    def copy_budget_ms(self) -> float:
+        """N · c: compute time per forward the copies may hide behind."""
+        return self.num_blocks * self.compute_ms
+
+    @property
+    def copy_need_ms(self) -> float:
+        """(N − r) · d: copy time per forward."""
+        return self.streamed * self.transfer_ms
+
+    def to_config(self) -> dict[str, Any]:
+        """The inference config (``{"resident_blocks": {"config": <path>}}`` reads it)."""
+        return {
+            "offload_resident_blocks": self.resident,
+            "cpu_offload_block_contiguous": self.contiguous,
+            "resident_block_indices": list(self.indices),
+            "num_blocks": self.num_blocks,
+        }
+
+    def to_report(self) -> dict[str, Any]:
+        return {
+            **dict(self.context),
+            "layout": "contiguous" if self.contiguous else "per_tensor",
+            "num_blocks": self.num_blocks,
+            "compute_ms": round(self.compute_ms, 4),
+            "transfer_ms": round(self.transfer_ms, 4),
+            "resident": self.resident,
+            "streamed": self.streamed,
+            "resident_block_indices": list(self.indices),
+            "rule": "smallest r with (N - r) * d <= N * c",
+            "copy_need_ms_per_forward": round(self.copy_need_ms, 4),
+            "copy_budget_ms_per_forward": round(self.copy_budget_ms, 4),
+            "note": RE_ESTIMATE_NOTE,
+        }
+
+
+def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *, contiguous: bool,
+                       context: Mapping[str, Any] | None = None) -> ResidencyEstimate:
+    """Compute r and its indices from measured c and d (see :func:`resident_count`)."""
+    r = resident_count(num_blocks, compute_ms, transfer_ms)
+    return ResidencyEstimate(
+        num_blocks=num_blocks,
+        compute_ms=float(compute_ms),
+        transfer_ms=float(transfer_ms),
+        resident=r,
+        indices=tuple(uniform_resident_indices(num_blocks, r)),
+        contiguous=bool(contiguous),
+        context=dict(context or {}),
+    )
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    lines = [
+        "# resident_blocks residency estimate",
+        "",
+        f"r = **{report['resident']}** of N = {report['num_blocks']} blocks resident "
+        f"(indices {report['resident_block_indices']}); {report['streamed']} streamed through two slots.",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+    ]
+    keys = ("recipe", "device", "device_name", "dtype", "layout", "weights", "block_path", "block_bytes",
+            "tokens", "input_shapes", "compute_ms", "transfer_ms", "transfer_gb_per_s", "warmup", "samples",
+            "copy_need_ms_per_forward", "copy_budget_ms_per_forward", "emulated", "torch", "diffusers")
+    for key in keys:
+        if key in report:
+            lines.append(f"| {key} | {report[key]} |")
+    lines += ["", f"Rule: {report['rule']}.", "", f"Note: {report['note']}.", ""]
+    return "\n".join(lines)
+
+
+def write_estimate(estimate: ResidencyEstimate, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write the config JSON and the report (JSON and Markdown) into ``out_dir`` (created if needed).
+
+    Returns:
+        ``{"config": path, "report_json": path, "report_md": path}``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "config": out / CONFIG_FILENAME,
+        "report_json": out / REPORT_JSON_FILENAME,
+        "report_md": out / REPORT_MD_FILENAME,
+    }
+    report = estimate.to_report()
+    paths["config"].write_text(json.dumps(estimate.to_config(), indent=2) + "\n")
+    paths["report_json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["report_md"].write_text(_markdown(report))
+    return paths

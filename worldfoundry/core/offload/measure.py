@@ -1,0 +1,134 @@
+"""Timing one block: compute time c and host-to-device transfer time d (device events, medians).
+
+Both functions run 3 warm-ups and 10 timed samples by default and report the median. On CUDA every sample
+is bracketed by CUDA events (no host synchronisation between samples; one at the end). On the CPU
+(emulated mode) ``time.perf_counter`` is used and the result is marked emulated by the caller.
+
+Compute samples call ``make_inputs()`` before the start event of each sample, so resetting the inputs
+(cloning the hidden states) is not part of the timed region.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from worldfoundry.core.offload.host_storage import HostBlockStorage
+from worldfoundry.core.offload.streams import backend_for
+
+DEFAULT_WARMUP = 3
+DEFAULT_SAMPLES = 10
+
+
+@dataclass(frozen=True)
+class TimingSamples:
+    """Timed samples in milliseconds; :attr:`median_ms` is the figure used."""
+
+    samples_ms: tuple[float, ...]
+    warmup: int
+    timer: str  # "cuda_events" | "perf_counter"
+
+    @property
+    def median_ms(self) -> float:
+        return float(statistics.median(self.samples_ms))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "median_ms": round(self.median_ms, 4),
+            "min_ms": round(min(self.samples_ms), 4),
+            "max_ms": round(max(self.samples_ms), 4),
+            "samples_ms": [round(s, 4) for s in self.samples_ms],
+            "warmup": self.warmup,
+            "timer": self.timer,
+        }
+
+
+def _check_counts(warmup: int, samples: int) -> None:
+    if warmup < 0 or samples < 1:
+        raise ValueError(f"need warmup >= 0 and samples >= 1, got warmup={warmup}, samples={samples}")
+
+
+def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]], *, device: torch.device,
+                       warmup: int = DEFAULT_WARMUP, samples: int = DEFAULT_SAMPLES) -> TimingSamples:
+    """Median forward time of ``block(**make_inputs())``.
+
+    Args:
+        block: the block, with its weights on ``device``.
+        make_inputs: returns fresh keyword inputs (called outside the timed region).
+        device: where the block runs.
+        warmup / samples: untimed and timed calls.
+
+    Returns:
+        The samples (milliseconds).
+    """
+    _check_counts(warmup, samples)
+    device = torch.device(device)
+    with torch.no_grad():
+        for _ in range(warmup):
+            block(**make_inputs())
+        if device.type == "cuda":
+            pairs = []
+            stream = torch.cuda.current_stream(device)
+            for _ in range(samples):
+                inputs = make_inputs()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                block(**inputs)
+                end.record(stream)
+                pairs.append((start, end))
+            torch.cuda.synchronize(device)
+            return TimingSamples(tuple(s.elapsed_time(e) for s, e in pairs), warmup, "cuda_events")
+        values = []
+        for _ in range(samples):
+            inputs = make_inputs()
+            t0 = time.perf_counter()
+            block(**inputs)
+            values.append((time.perf_counter() - t0) * 1000.0)
+        return TimingSamples(tuple(values), warmup, "perf_counter")
+
+
+def time_block_transfer(storage: HostBlockStorage, *, device: torch.device, warmup: int = DEFAULT_WARMUP,
+                        samples: int = DEFAULT_SAMPLES) -> TimingSamples:
+    """Median time to copy one block from its host masters into a device buffer, in the storage's layout
+    (one copy for a contiguous slab, one per tensor otherwise), on a dedicated copy stream.
+
+    Args:
+        storage: the block's host masters (pinned for a CUDA device).
+        device: the destination device (``cpu`` measures the emulated copy).
+        warmup / samples: untimed and timed copies.
+    """
+    _check_counts(warmup, samples)
+    device = torch.device(device)
+    backend = backend_for(device)
+    buffer = backend.empty(storage.layout.nbytes)
+    views = storage.layout.views(buffer)
+    if device.type == "cuda":
+        compute = backend.current_stream()
+        with backend.copy_context():
+            stream = backend.current_stream()
+            stream.wait_stream(compute)  # the buffer was allocated on the compute stream
+            for _ in range(warmup):
+                storage.copy_to(buffer, views, non_blocking=True)
+            pairs = []
+            for _ in range(samples):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                storage.copy_to(buffer, views, non_blocking=True)
+                end.record(stream)
+                pairs.append((start, end))
+        torch.cuda.synchronize(device)
+        return TimingSamples(tuple(s.elapsed_time(e) for s, e in pairs), warmup, "cuda_events")
+    for _ in range(warmup):
+        storage.copy_to(buffer, views, non_blocking=False)
+    values = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        storage.copy_to(buffer, views, non_blocking=False)
+        values.append((time.perf_counter() - t0) * 1000.0)
+    return TimingSamples(tuple(values), warmup, "perf_counter")
