@@ -148,7 +148,7 @@ def test_quality_only_skips_timing(tmp_path: Path, registry: AccelerationRegistr
         (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(factor="big"),
          "candidates[0].accelerations.exact_test.factor: expected number"),
         (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(colour=1),
-         "candidates[0].accelerations.exact_test.colour: unknown option"),
+         "candidates[0].accelerations.exact_test: unknown option(s) ['colour']"),
         (lambda d: d["candidates"][0]["accelerations"]["exact_test"].update(factor=-1.0),
          "candidates[0].accelerations.exact_test.factor: must be >= 0"),
         (lambda d: d["candidates"].append({"name": "x", "accelerations": {"nope": {}}}),

@@ -134,14 +134,17 @@ def validate_plugin_options(path: str, name: str, options: Mapping[str, Any], re
     options_class = getattr(entry.factory, "options_class", None)
     if options_class is None:
         return
+    from_mapping = getattr(options_class, "from_mapping", None)
+    fields: dict[str, Any] = {}
     if dataclasses.is_dataclass(options_class):
         hints = typing.get_type_hints(options_class)
         fields = {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(options_class) if f.init}
+    # spec keys that are not field names (nested or renamed options): the plugin's from_mapping judges them
+    if fields and (from_mapping is None or set(options) <= set(fields)):
         for key, value in options.items():
             if key not in fields:
                 raise CandidateSchemaError(f"{path}.{key}", f"unknown option; known: {', '.join(sorted(fields))}")
             _annotation_check(f"{path}.{key}", value, fields[key])
-    from_mapping = getattr(options_class, "from_mapping", None)
     if from_mapping is not None:
         try:
             from_mapping(options)

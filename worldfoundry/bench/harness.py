@@ -222,18 +222,26 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
                 rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
                 bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
-    """Interleaved pairs (dense, candidate) of the denoising loop; outputs checked against their pilots."""
+    """Interleaved pairs of the denoising loop, in ABBA order (dense first in even rounds, candidate first in
+    odd rounds) so slow drifts of the machine do not favour either side; outputs checked against pilots."""
     den = runner.pipe.components.denoiser
     dense_s, cand_s, mismatches = [], [], []
-    for r in range(rounds):
-        seed = seeds[r % len(seeds)]
-        session.uninstall()
+
+    def timed_dense(r: int, seed: int) -> float:
+        nonlocal session
+        if session is not None and session.installed:
+            session.uninstall()
         monitor.sample()
         d = runner.generate(seed, "dense-timed")
         monitor.sample()
         if not torch.equal(d.latents, dense[seed].latents):
             mismatches.append(f"round {r}: dense output differs from its pilot")
-        session = den.install(cand.accelerations, policy, registry=registry)
+        return d.timings["denoise_s"]
+
+    def timed_candidate(r: int, seed: int) -> float:
+        nonlocal session
+        if session is None or not session.installed:
+            session = den.install(cand.accelerations, policy, registry=registry)
         monitor.sample()
         c = runner.generate(seed, f"{cand.name}-timed")
         monitor.sample()
@@ -241,9 +249,21 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
             err = relative_l2(c.latents, pilots[seed].latents)
             if not err <= TIMING_RTOL:
                 mismatches.append(f"round {r}: candidate output differs from its pilot (rel L2 {err:.3g})")
-        dense_s.append(d.timings["denoise_s"])
-        cand_s.append(c.timings["denoise_s"])
+        return c.timings["denoise_s"]
+
+    for r in range(rounds):
+        seed = seeds[r % len(seeds)]
+        if r % 2 == 0:
+            d_s = timed_dense(r, seed)
+            c_s = timed_candidate(r, seed)
+        else:
+            c_s = timed_candidate(r, seed)
+            d_s = timed_dense(r, seed)
+        dense_s.append(d_s)
+        cand_s.append(c_s)
         bar.update(1)
+    if session is None or not session.installed:
+        session = den.install(cand.accelerations, policy, registry=registry)
     return summarize_speed(dense_s, cand_s), mismatches, session
 
 

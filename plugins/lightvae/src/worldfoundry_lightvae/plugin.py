@@ -136,3 +136,6 @@ def register_diffusion_accelerations(register: Callable[..., None]) -> None:
 
 
 __all__ = ["prepare", "register_diffusion_accelerations", "resolve_backend"]
+
+
+prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)

@@ -286,3 +286,6 @@ def _backend_forward(plan: SitePlan, ledger: ExecutionLedger) -> Callable[[Calla
         return forward
 
     return make_wrapper
+
+
+prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)

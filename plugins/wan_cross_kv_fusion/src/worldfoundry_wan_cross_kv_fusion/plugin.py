@@ -109,3 +109,6 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup]) -> 
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle
+
+
+prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
