@@ -147,7 +147,9 @@ def twin(model: nn.Module, cls: type, config: dict[str, Any]) -> nn.Module:
     other.load_state_dict(model.state_dict(), assign=True, strict=True)
     for name, buf in model.named_buffers():
         module_path, _, attr = name.rpartition(".")
-        other.get_submodule(module_path)._buffers[attr] = buf
+        # buffers are small: copy them, since offloading hooks move buffer data in place (a shared buffer
+        # object would be moved for every twin)
+        other.get_submodule(module_path)._buffers[attr] = buf.clone()
     return other.eval().requires_grad_(False)
 
 

@@ -121,6 +121,7 @@ def test_verdict_for_each_path(tmp_path: Path, registry: AccelerationRegistry) -
     assert "activation refused" in by["fails"]["error"]
     # the harness itself must not change the model
     assert results["dense"]["stable_after_candidates"] is True
+    assert results["noise_floor"] >= 1.0 and len(results["dense"]["control"]["speedups"]) == 3
     saved = json.loads((out / "results.json").read_text())
     assert saved["candidates"][0]["quality"]["worst"]["psnr_db"] == "inf"
     for key in ("revision", "dirty"):
@@ -233,6 +234,9 @@ def test_bootstrap_ci_shape_and_decisions() -> None:
     assert decide(**{**kw, "quality_ok": False}) == "measured_quality_tradeoff"
     assert decide(**{**kw, "gpu_shared": True}) == "refused_shared_gpu"
     assert decide(**{**kw, "timing_ok": False}) == "invalid_timing_mismatch"
+    # a CI lower bound above 1 but inside the dense-vs-dense noise floor is not a stable gain
+    assert decide(**{**kw, "noise_floor": 1.05}) == "no_stable_gain"
+    assert decide(**{**kw, "noise_floor": 1.01}) == "recommended"
 
 
 def test_report_renders_without_timing(tmp_path: Path) -> None:

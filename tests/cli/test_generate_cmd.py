@@ -24,7 +24,7 @@ def test_generate_mp4(tmp_path: Path, capsys) -> None:
 def test_generate_latents_with_accelerations_error(tmp_path: Path, capsys) -> None:
     out = tmp_path / "x.pt"
     assert main(["generate", "--prompt", "x", "--steps", "1", "--out", str(out), "--no-progress"]) == 0
-    assert torch.load(out, weights_only=True)["latents"].shape == (1, 16, 2, 4, 4)
+    assert torch.load(out, weights_only=True)["latents"].shape == (1, 48, 9, 8, 8)  # default: tiny-wan2.1-trained
     rc = main(["generate", "--prompt", "x", "--out", str(out), "--accelerations", '{"no_such_plugin": {}}'])
     assert rc == 2
     assert "no_such_plugin" in capsys.readouterr().err

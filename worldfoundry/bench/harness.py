@@ -33,7 +33,7 @@ from worldfoundry.errors import WorldFoundryError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "tiny-wan2.1"
+DEFAULT_MODEL = "tiny-wan2.1-trained"
 TIMING_RTOL = 1e-6
 
 
@@ -155,9 +155,15 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     }
     steps_per_candidate = 1 + (0 if config.quality_only else rounds)
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
+    noise_floor = 1.0
+    if not config.quality_only:
+        control = _control_pairs(runner, dense, seeds, rounds)
+        results["dense"]["control"] = control
+        noise_floor = max(1.0, control["ci95"][1])
+    results["noise_floor"] = noise_floor
     for cand in cfile.candidates:
         results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy, registry,
-                                               monitor, bar))
+                                               monitor, bar, noise_floor))
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
@@ -167,9 +173,19 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     return results
 
 
+def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], rounds: int) -> dict[str, Any]:
+    """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
+    first, second = [], []
+    for r in range(rounds):
+        seed = seeds[r % len(seeds)]
+        first.append(runner.generate(seed, "control-a").timings["denoise_s"])
+        second.append(runner.generate(seed, "control-b").timings["denoise_s"])
+    return summarize_speed(first, second)
+
+
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
               seeds: list[int], rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry,
-              monitor: GpuSharingMonitor, bar: Any) -> dict[str, Any]:
+              monitor: GpuSharingMonitor, bar: Any, noise_floor: float = 1.0) -> dict[str, Any]:
     den = runner.pipe.components.denoiser
     record: dict[str, Any] = {"name": cand.name, "accelerations": cand.accelerations, "notes": cand.notes}
     try:
@@ -208,7 +224,7 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         record["timing_mismatch"] = mismatches
         record["verdict"] = decide(installed=True, finite=worst["finite"], executed=executed, exact_ok=exact_ok,
                                    timing_ok=not mismatches, quality_ok=all(checks.values()), speed=speed,
-                                   gpu_shared=monitor.shared)
+                                   gpu_shared=monitor.shared, noise_floor=noise_floor)
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
         record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",

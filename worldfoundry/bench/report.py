@@ -85,7 +85,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         render_table(results),
         "",
         "Speedup = dense time / candidate time of the denoising loop, per interleaved pair; median and 95% "
-        "bootstrap CI over pairs. `recommended` needs quality within budget and CI lower bound > 1.",
+        "bootstrap CI over pairs. `recommended` needs quality within budget and a CI lower bound above the noise "
+        f"floor ({_fmt(results.get('noise_floor'), 4)}: the upper CI bound of dense-vs-dense control pairs "
+        "timed the same way, at least 1).",
         "",
     ]
     for c in results["candidates"]:

@@ -49,8 +49,9 @@ def summarize_speed(dense_s: list[float], cand_s: list[float]) -> dict[str, Any]
 
 
 def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, timing_ok: bool,
-           quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool) -> str:
-    """The verdict, invalid states first; speed verdicts need a CI lower bound above 1."""
+           quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool, noise_floor: float = 1.0) -> str:
+    """The verdict, invalid states first. ``recommended`` needs the speedup CI's lower bound above both 1 and
+    ``noise_floor`` (the upper CI bound of dense-vs-dense control pairs measured in the same run)."""
     if not installed:
         return "rejected_at_install"
     if not finite:
@@ -67,4 +68,4 @@ def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, tim
         return "refused_shared_gpu"
     if not quality_ok:
         return "measured_quality_tradeoff"
-    return "recommended" if speed["ci95"][0] > 1.0 else "no_stable_gain"
+    return "recommended" if speed["ci95"][0] > max(1.0, noise_floor) else "no_stable_gain"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_RECIPE = "tiny-wan2.1"
+DEFAULT_RECIPE = "tiny-wan2.1-trained"
 
 
 def add_parser(subparsers: Any) -> None:

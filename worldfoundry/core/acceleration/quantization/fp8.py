@@ -79,7 +79,10 @@ def rowwise_scales(amax: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of the same shape.
     """
-    return amax.to(torch.float32).clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    amax = amax.to(torch.float32).clamp(min=AMAX_FLOOR)
+    # An elementwise tensor divisor: with a Python scalar, CUDA turns the division into a multiplication by the
+    # rounded reciprocal (a different result than IEEE division, which the Triton kernel and the CPU compute).
+    return amax / torch.full_like(amax, FP8_E4M3_MAX)
 
 
 def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
