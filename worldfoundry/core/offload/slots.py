@@ -180,10 +180,9 @@ class SlotManager:
 
     # ------------------------------------------------------------------ internals
     def _advance(self, block: int) -> None:
-        try:
+        # a block outside the remaining plan leaves the plan where it is
+        if block in self._plan[self._pos:]:
             self._pos = self._plan.index(block, self._pos) + 1
-        except ValueError:
-            pass  # not in the remaining plan: the plan stays where it is
 
     def _next_unheld(self) -> int | None:
         held = {s.block for s in self._slots if s.block is not None}
