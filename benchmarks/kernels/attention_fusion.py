@@ -32,7 +32,6 @@ import copy
 import json
 import os
 import platform
-import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -51,71 +50,20 @@ from worldfoundry.core.attention.fused_projection import fused_linear, outputs_e
 from worldfoundry.core.attention.sdpa_backends import scaled_dot_product_attention
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.bench.microbench import (  # noqa: E402 - shared benchmark helpers
+    RANDOM_NOTE,
+    SMOKE_WORKLOADS,
+    WAN_1_3B,
+    WAN_TINY,
+    WORKLOADS,
+    interleaved,
+    rel_l2,
+    sync,
+)
 from worldfoundry.errors import AttentionBackendError, WorldFoundryError
 
 ROOT = Path(__file__).resolve().parents[2]
-WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-WAN_TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32, ffn_dim=128,
-                num_layers=2, rope_max_seq_len=64)
-WORKLOADS = {"W17": (5, 40, 72), "W81": (21, 60, 104)}  # latent frames x height x width
-SMOKE_WORKLOADS = {"W17": (2, 8, 8), "W81": (3, 8, 12)}
 TEXT_TOKENS = 512
-RANDOM_NOTE = "random seeded weights: relative L2 describes these weights only, not visual quality"
-
-
-# ---------------------------------------------------------------------------------------------- timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Mean milliseconds per call over ``iters`` back-to-back calls (CUDA events on GPU)."""
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
-def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int, iters: int,
-                baseline: str) -> dict[str, dict[str, Any]]:
-    """Warm-up, then ``rounds`` rounds with every candidate once per round in a rotating order.
-
-    Returns per candidate the median milliseconds, the samples, and the median of the per-round paired ratios
-    ``baseline / candidate`` (> 1 means faster than the baseline).
-    """
-    for _ in range(warmup):
-        for fn in calls.values():
-            fn()
-    sync(device)
-    names = list(calls)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            samples[name].append(time_ms(calls[name], device, iters))
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        ratios = [b / c for b, c in zip(samples[baseline], samples[name], strict=True)]
-        out[name] = {"median_ms": statistics.median(samples[name]), "rounds_ms": samples[name],
-                     "paired_speedup_median": statistics.median(ratios),
-                     "paired_speedup_min": min(ratios), "paired_speedup_max": max(ratios)}
-    return out
-
-
-def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
-    t, r = test.double(), ref.double()
-    return float((t - r).norm() / r.norm())
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -45,23 +45,16 @@ from diffusers import FirstBlockCacheConfig, FlowMatchEulerDiscreteScheduler, Wa
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.bench.microbench import WAN_1_3B, sync
+from worldfoundry.bench.microbench import WAN_TINY as WAN_TINY_BASE
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry_easycache.plugin import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
-WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-WAN_TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32, ffn_dim=128,
-                num_layers=3, rope_max_seq_len=64)
+WAN_TINY = dict(WAN_TINY_BASE, num_layers=3)
 RANDOM_NOTE = ("random seeded weights: the skip pattern and the relative L2 say nothing about visual quality; "
                "published anchor: EasyCache Wan2.1-1.3B 2.54x at PSNR 25.24 / SSIM 0.834 / LPIPS 0.095")
 FBC_HEAD_HOOK = "fbc_leader_block_hook"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> WanTransformer3DModel:
