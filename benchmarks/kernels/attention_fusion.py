@@ -31,8 +31,6 @@ import argparse
 import copy
 import json
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +48,7 @@ from worldfoundry.core.attention.fused_projection import fused_linear, outputs_e
 from worldfoundry.core.attention.sdpa_backends import scaled_dot_product_attention
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.bench.microbench import provenance as shared_provenance
 from worldfoundry.bench.microbench import (  # noqa: E402 - shared benchmark helpers
     RANDOM_NOTE,
     SMOKE_WORKLOADS,
@@ -277,27 +276,7 @@ def sdpa_bench(device: torch.device, dtype: torch.dtype, args: argparse.Namespac
 
 # ---------------------------------------------------------------------------------------------- report
 def provenance(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    import diffusers
-
-    def git(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    rev = git("rev-parse", "HEAD")
-    return {"git_revision": rev, "git_dirty": bool(git("status", "--porcelain")) if rev else None,
-            "python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "triton": triton_version, "cuda": torch.version.cuda, "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "dtype": str(dtype).removeprefix("torch."), "args": vars(args)}
+    return shared_provenance(device, dtype=str(dtype).removeprefix("torch."), args=vars(args))
 
 
 def print_tables(data: dict[str, Any]) -> None:

@@ -30,9 +30,7 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +44,7 @@ from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.bench.microbench import WAN_1_3B, sync
+from worldfoundry.bench.microbench import provenance as shared_provenance
 from worldfoundry.bench.microbench import WAN_TINY as WAN_TINY_BASE
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry_easycache.plugin import prepare
@@ -330,26 +329,8 @@ def loops(models: dict[str, Any], work: Workload, args: argparse.Namespace, devi
 
 # ---------------------------------------------------------------------------------------------- report
 def provenance(args: argparse.Namespace, device: torch.device, work: Workload) -> dict[str, Any]:
-    import diffusers
-
-    def git(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__}
-    for mod in ("triton", "cache_dit"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            versions[mod] = None
-    rev = git("rev-parse", "HEAD")
-    return {"git_revision": rev, "git_dirty": bool(git("status", "--porcelain")) if rev else None, **versions,
-            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "dtype": "bfloat16", "latent": work.shape, "workload": "smoke" if args.smoke else "W81",
-            "config": vars(args), "note": RANDOM_NOTE}
+    return shared_provenance(device, extra_packages=("cache-dit",), dtype="bfloat16", latent=work.shape,
+                             workload="smoke" if args.smoke else "W81", config=vars(args), note=RANDOM_NOTE)
 
 
 def print_tables(data: dict[str, Any]) -> None:

@@ -29,8 +29,6 @@ import argparse
 import copy
 import json
 import os
-import platform
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +55,7 @@ from worldfoundry.core.acceleration.quantization.fp8_linear import (
 )
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.bench.microbench import provenance as shared_provenance
 from worldfoundry.bench.microbench import (  # noqa: E402 - shared benchmark helpers
     RANDOM_NOTE,
     SMOKE_WORKLOADS,
@@ -275,36 +274,7 @@ def _forward_case(wname: str, inputs: dict[str, Any], latent: tuple[int, int, in
 
 # ---------------------------------------------------------------------------------------------- report
 def provenance(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    import diffusers
-
-    def git(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    try:
-        import torchao
-
-        versions["torchao"] = torchao.__version__
-    except Exception:
-        versions["torchao"] = None
-    rev = git("rev-parse", "HEAD")
-    return {
-        "git_revision": rev, "git_dirty": bool(git("status", "--porcelain")) if rev else None, **versions,
-        "cuda": torch.version.cuda, "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
-        "dtype": "bfloat16", "config": vars(args),
-    }
+    return shared_provenance(device, extra_packages=("torchao",), args=vars(args))
 
 
 def _row(name: str, t: dict[str, Any], baseline: str, width: int) -> str:

@@ -75,3 +75,22 @@ def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
     """``||test - ref|| / ||ref||`` in float64."""
     t, r = test.double(), ref.double()
     return float((t - r).norm() / r.norm())
+
+
+def provenance(device: torch.device, *, extra_packages: tuple[str, ...] = (), **fields: Any) -> dict[str, Any]:
+    """What a micro-benchmark's JSON records about where it ran: versions, device/GPU, git revision and dirty
+    flag (``None`` outside a git checkout), the given ``extra_packages`` versions and any extra ``fields``."""
+    import importlib.metadata
+
+    from worldfoundry.bench.provenance import environment, git_state
+    from worldfoundry.core.model_loading.recipes import project_root
+
+    env = environment(device)
+    env.setdefault("gpu", None)
+    for name in extra_packages:
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    git = git_state(project_root())
+    return {"git_revision": git["revision"], "git_dirty": git["dirty"], **env, **fields}
