@@ -47,6 +47,12 @@ from worldfoundry.errors import InferenceViewError, ModelBusyError, OffloadSched
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _pointers(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(map(_data_ptr, tensors))
+
 IMPLICIT_REQUEST = "<no-request>"
 
 
@@ -60,6 +66,8 @@ class _Block:
     layout: BlockLayout
     storage: HostBlockStorage | None = None
     versions: list[int] = field(default_factory=list)
+    #: data pointers the parameters must have between block calls (host masters, or resident copies)
+    expected_ptrs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -130,6 +138,7 @@ class BlockOffloadEngine:
             layout = BlockLayout.from_tensors([(name, p) for name, p in named], alignment=alignment)
             self._blocks.append(_Block(i, path, module, [nm for nm, _ in named], [p for _, p in named], layout))
         self._resident_set = set(indices)
+        self._resident_frozen = frozenset(indices)
         self.backend: OffloadBackend | None = None
         self._slots: SlotManager | None = None
         self._residents: ResidentSet | None = None
@@ -192,6 +201,11 @@ class BlockOffloadEngine:
     def is_resident(self, index: int) -> bool:
         return index in self._resident_set
 
+    @property
+    def resident_set(self) -> frozenset[int]:
+        """Indices of the resident blocks."""
+        return self._resident_frozen
+
     def device_bytes(self) -> dict[str, int]:
         """Device bytes held now by resident copies and by the slots."""
         resident = self._residents.allocated_bytes if self._residents is not None else 0
@@ -218,6 +232,7 @@ class BlockOffloadEngine:
                     device=self.device if pin else None,
                 )
                 self._bind(block, block.storage.masters)
+                block.expected_ptrs = _pointers(block.storage.masters)
             storages = {b.index: b.storage for b in self._blocks if b.storage is not None}
             self._slots = SlotManager(self.backend, storages, num_slots=self.num_slots)
             self._residents = ResidentSet(self.backend, storages, self.resident_indices)
@@ -328,6 +343,7 @@ class BlockOffloadEngine:
         for index, tensors in views.items():
             block = self._blocks[index]
             self._bind(block, tensors)
+            block.expected_ptrs = _pointers(tensors)
             block.versions = [p._version for p in block.params]
         self._resident_bound = True
         if self._request is not None:
@@ -352,6 +368,7 @@ class BlockOffloadEngine:
                 if self._request is not None:
                     self._request.written_back += 1
             self._bind(block, block.storage.masters)
+            block.expected_ptrs = _pointers(block.storage.masters)
         self._resident_bound = False
         self._residents.release(compute)
 
@@ -447,6 +464,7 @@ class BlockOffloadEngine:
                 state.misses += stats.misses
                 state.discarded += stats.discarded
                 state.slot_bytes = max(state.slot_bytes, self._slots.allocated_bytes)
+                state.copy_wait_ms += self.backend.collect_wait_ms(synchronize=False)
                 if state.first_forward is None:
                     state.first_forward = tuple(stats.transfer_log)
             if not failed and not self._standalone and stats.order and stats.order != self._plan:
@@ -468,8 +486,9 @@ class BlockOffloadEngine:
             p.data = t
 
     def _check_bindings(self) -> None:
+        # Once per forward, so kept cheap: a parameter replaced, moved or cast gets new memory (a new pointer).
         for block in self._blocks:
-            if block.storage is None:
+            if block.storage is None or _pointers(block.params) == block.expected_ptrs:
                 continue
             if block.index in self._resident_set and self._resident_bound:
                 expected = self._residents.views(block.index)

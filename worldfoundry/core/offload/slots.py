@@ -124,7 +124,11 @@ class SlotManager:
         """
         if block not in self.storages:
             raise OffloadScheduleError(f"block {block} is not streamed through the slots")
-        slot = next((s for s in self._slots if s.block == block and not s.in_use), None)
+        slot = None
+        for candidate in self._slots:
+            if candidate.block == block and not candidate.in_use:
+                slot = candidate
+                break
         if slot is None:
             slot = self._victim()
             if slot.block is not None:
@@ -139,7 +143,11 @@ class SlotManager:
 
     def release_block(self, block: int, *, prefetch: bool = True) -> None:
         """The compute on ``block`` is enqueued: record the slot's ``free`` event and prefetch the next block."""
-        slot = next((s for s in self._slots if s.in_use and s.block == block), None)
+        slot = None
+        for candidate in self._slots:
+            if candidate.in_use and candidate.block == block:
+                slot = candidate
+                break
         if slot is None:
             raise OffloadScheduleError(f"block {block} is not in use in any slot")
         self.backend.record(slot.free, self._compute)
@@ -180,15 +188,22 @@ class SlotManager:
 
     # ------------------------------------------------------------------ internals
     def _advance(self, block: int) -> None:
+        plan, pos = self._plan, self._pos
+        if pos < len(plan) and plan[pos] == block:  # the usual case: the block the plan predicted
+            self._pos = pos + 1
+            return
         # a block outside the remaining plan leaves the plan where it is
-        if block in self._plan[self._pos:]:
-            self._pos = self._plan.index(block, self._pos) + 1
+        try:
+            self._pos = plan.index(block, pos) + 1
+        except ValueError:
+            pass
 
     def _next_unheld(self) -> int | None:
-        held = {s.block for s in self._slots if s.block is not None}
-        for block in self._plan[self._pos:]:
-            if block not in held:
-                return block
+        plan = self._plan
+        held = [s.block for s in self._slots if s.block is not None]
+        for i in range(self._pos, len(plan)):
+            if plan[i] not in held:
+                return plan[i]
         return None
 
     def _victim(self) -> _Slot:

@@ -21,6 +21,7 @@ import torch
 from worldfoundry.errors import OffloadScheduleError
 
 _MAX_PENDING_TIMERS = 8192
+_MAX_POOLED_TIMERS = 1024
 
 
 class EmulatedStream:
@@ -125,15 +126,16 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # completed timing-event pairs, reused (creating CUDA events per block costs host time)
+        self._timer_pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_ms = 0.0
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    @contextlib.contextmanager
-    def copy_context(self) -> Iterator[None]:
-        with torch.cuda.stream(self.copy_stream):
-            yield
+    def copy_context(self) -> Any:
+        """Context manager making the copy stream current (``torch.cuda.StreamContext``, no extra wrapper)."""
+        return torch.cuda.stream(self.copy_stream)
 
     def new_event(self, name: str) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -145,8 +147,12 @@ class CudaBackend:
         stream.wait_event(event)
 
     def timed_wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        pool = self._timer_pool
+        if pool:
+            start, end = pool.pop()
+        else:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         stream.wait_event(event)
         end.record(stream)
@@ -171,6 +177,8 @@ class CudaBackend:
         for start, end in self._pending:
             if end.query():
                 self._wait_ms += start.elapsed_time(end)
+                if len(self._timer_pool) < _MAX_POOLED_TIMERS:
+                    self._timer_pool.append((start, end))
             else:
                 keep.append((start, end))
         self._pending = keep
