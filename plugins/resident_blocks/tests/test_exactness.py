@@ -135,3 +135,31 @@ def test_estimator_config_file_drives_the_plugin(tiny, registry, tmp_path) -> No
         assert torch.equal(out, reference)
     assert session.handles("resident_blocks")["model"].receipts["est"].transfers_per_forward == (N - 2,) * 2
     session.uninstall()
+
+
+def test_block_counts_are_current_mid_request_and_per_implicit_request(tiny, registry) -> None:
+    """Block executions are counted off the ledger on the hot path; reports still show every call."""
+    from worldfoundry.core.acceleration.context import RequestContext, request_scope
+    from worldfoundry.core.acceleration.guard import attach_request_guard
+
+    model = tiny.make_tiny_wan()
+    session = install_diffusion_accelerations(model, {"resident_blocks": {"offload_resident_blocks": 1}},
+                                              registry=registry)
+    guard = attach_request_guard(model)
+    indices = uniform_resident_indices(N, 1)
+    with guard.request("mid"):
+        with request_scope(RequestContext("mid", "cond", 0)):
+            tiny.wan_forward(model)
+        mid = session.execution_report()["plugins"]["resident_blocks"]["model"]["requests"]["mid"]
+        assert sum(sum(kinds.values()) for kinds in mid["modules"].values()) == N
+        with request_scope(RequestContext("mid", "cond", 1)):
+            tiny.wan_forward(model)
+    tiny.wan_forward(model)  # outside any request: its own (implicit) request
+    requests = session.execution_report()["plugins"]["resident_blocks"]["model"]["requests"]
+    for i in range(N):
+        kind = "resident" if i in indices else "streamed"
+        assert requests["mid"]["modules"][f"blocks.{i}"] == {kind: 2}
+    others = [rid for rid in requests if rid != "mid"]
+    assert len(others) == 1
+    assert sum(sum(kinds.values()) for kinds in requests[others[0]]["modules"].values()) == N
+    session.uninstall()
