@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from worldfoundry_selective_fp8.plugin import prepare
+from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND, GELU_REFERENCE_COUNTER
 from worldfoundry_selective_fp8.runtime import QUANT_REFERENCE_COUNTER
 
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
@@ -45,9 +46,12 @@ def test_fp8_path_runs_every_selected_linear_and_stays_close_to_dense(kit):
     with request_scope(RequestContext("r1")):
         out = kit.run_wan(model, torch.bfloat16).float()
     record = record_of(session, "r1")
-    assert record["modules"] == {p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS}
+    fused = {f"blocks.{i}.ffn": {FUSED_KIND: 1} for i in (0, 1)}  # GELU + down-projection quant fused per FFN
+    assert record["modules"] == {**{p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS}, **fused}
     assert record["fallbacks"] == {}
-    assert record["counters"][QUANT_REFERENCE_COUNTER] == 4  # the CPU used the torch reference quantizer
+    # the CPU used the torch references: the plain quantizer for the up projections, GELU + quantizer for the down
+    assert record["counters"][QUANT_REFERENCE_COUNTER] == 2
+    assert record["counters"][GELU_REFERENCE_COUNTER] == 2
     assert record["claimed_not_executed"] == []
     rel = ((out - dense).norm() / dense.norm()).item()
     assert 0 < rel < 0.05, rel  # approximate, and within the FP8 budget for random weights

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from worldfoundry_selective_fp8.plugin import prepare
+from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND, GELU_REFERENCE_COUNTER
 from worldfoundry_selective_fp8.runtime import QUANT_REFERENCE_COUNTER
 
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
@@ -71,8 +72,10 @@ def test_scaled_mm_once_per_selected_module_and_receipts(kit):
         out = run(model, "r1").float()
     assert counter.calls == len(kit.WAN_FFN_PATHS)
     record = session.execution_report()["plugins"]["selective_fp8"]["model"]["requests"]["r1"]
-    assert record["modules"] == {p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS}
+    assert record["modules"] == {**{p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS},
+                                 **{f"blocks.{i}.ffn": {FUSED_KIND: 1} for i in (0, 1)}}
     assert record["fallbacks"] == {} and QUANT_REFERENCE_COUNTER not in record["counters"]
+    assert GELU_REFERENCE_COUNTER not in record["counters"]
     rel = ((out - dense).norm() / dense.norm()).item()
     assert 0 < rel < 0.05, rel
     session.uninstall()
@@ -108,3 +111,24 @@ def test_rel_l2_of_each_fp8_linear_vs_bf16_at_wan_1_3b_shapes(k, n):
     rel_vs_exact = ((fp8.double() - exact).norm() / exact.norm()).item()
     assert rel_vs_bf16 < 0.06 and rel_vs_exact < 0.06, (rel_vs_bf16, rel_vs_exact)
     session.uninstall()
+
+
+def test_fused_gelu_producer_matches_the_per_linear_fp8_path(kit):
+    model = build(kit)
+    dense = run(model).float()
+    outputs = {}
+    for fuse in (False, True):
+        session = install_diffusion_accelerations(
+            model, {"selective_fp8": {"min_tokens": 128, "fuse_gelu": fuse}},
+            RuntimePolicy(device="cuda", dtype="bf16"), registry=registry())
+        with CountScaledMM() as counter:
+            outputs[fuse] = run(model, f"fuse-{fuse}").float()
+        assert counter.calls == len(kit.WAN_FFN_PATHS)  # fused or not: one _scaled_mm per selected Linear
+        record = session.execution_report()["plugins"]["selective_fp8"]["model"]["requests"][f"fuse-{fuse}"]
+        assert record["counters"].get(FUSED_KIND, 0) == (2 if fuse else 0)
+        session.uninstall()
+    # equal when the kernel's GELU equals torch's CUDA GELU bitwise (tests/core/.../test_fp8_gelu_quant_gpu.py)
+    same = (outputs[True] == outputs[False]).double().mean().item()
+    rel = ((outputs[True] - outputs[False]).norm() / outputs[False].norm()).item()
+    assert rel < 1e-2, (rel, same)
+    assert ((outputs[True] - dense).norm() / dense.norm()).item() < 0.05

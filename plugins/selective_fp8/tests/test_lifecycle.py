@@ -78,7 +78,9 @@ def test_cpu_runs_the_retained_dense_linears_and_records_each_fallback(kit, dtyp
     assert record["fallbacks"] == {"cpu device": 4}
     assert record["module_fallbacks"] == {p: {"cpu device": 1} for p in kit.WAN_FFN_PATHS}
     assert record["modules"] == {} and record["counters"].get("fp8_gemm", 0) == 0
-    assert sorted(record["claimed_not_executed"]) == sorted(kit.WAN_FFN_PATHS)  # never reports FP8 speed for them
+    assert record["counters"].get("fp8_gelu_fused", 0) == 0
+    # never reports FP8 speed for them (the fused FFNs are claimed too, and never ran fused)
+    assert sorted(record["claimed_not_executed"]) == sorted([*kit.WAN_FFN_PATHS, "blocks.0.ffn", "blocks.1.ffn"])
     session.uninstall()
 
 
@@ -86,7 +88,10 @@ def test_install_receipt_and_memory_report(kit, wan):
     session = install(wan)
     plugin = session.receipt.to_json()["plugins"][0]
     assert plugin["exact"] is False and session.receipt.execution_verified is False
-    assert set(plugin["claims"]) == set(kit.WAN_FFN_PATHS) | {ROLE_QUANTIZATION, "role:weight_view"}
+    assert set(plugin["claims"]) == set(kit.WAN_FFN_PATHS) | {"blocks.0.ffn", "blocks.1.ffn", ROLE_QUANTIZATION,
+                                                               "role:weight_view"}
+    assert any("2 FFN(s) run GELU + the down projection's activation quantization as one kernel" in n
+               for n in plugin["notes"])
     assert any("does not save memory" in n for n in plugin["notes"])
     section = session.execution_report()["plugins"]["selective_fp8"]["model"]["selective_fp8"]
     assert section["modules"] == kit.WAN_FFN_PATHS
@@ -94,6 +99,8 @@ def test_install_receipt_and_memory_report(kit, wan):
     assert section["memory"] == {"dense_weight_bytes_retained": 4 * 64 * 128 * 4, "fp8_weight_bytes": 4 * 64 * 128,
                                  "scale_bytes": 4 * (128 + 64 + 128 + 64), "extra_bytes": 4 * 64 * 128 + 1536}
     assert section["activation_clipping"]["elements_total"] == 0
+    assert section["fused_producer"]["ffns"] == ["blocks.0.ffn", "blocks.1.ffn"]
+    assert section["fused_producer"]["not_fused"] == {} and section["fused_producer"]["kind"] == "fp8_gelu_fused"
     session.uninstall()
 
 

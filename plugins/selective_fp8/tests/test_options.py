@@ -15,10 +15,11 @@ from worldfoundry.errors import AccelerationOptionsError
 
 def test_defaults():
     opts = Options.from_mapping({})
-    assert opts == Options(include=None, exclude=(), scaling="rowwise", use_fast_accum=False, min_tokens=1024)
+    assert opts == Options(include=None, exclude=(), scaling="rowwise", use_fast_accum=False, min_tokens=1024,
+                           fuse_gelu=True)
     assert Options.from_mapping(None) == opts
     assert opts.to_json() == {"include": None, "exclude": [], "scaling": "rowwise", "use_fast_accum": False,
-                              "min_tokens": 1024}
+                              "min_tokens": 1024, "fuse_gelu": True}
 
 
 def test_issue_spec_parses_including_frozen_tuples():
@@ -50,6 +51,7 @@ def test_frozen():
         ({"min_tokens": -1}, "min_tokens: expected an integer >= 0"),
         ({"min_tokens": True}, "min_tokens"),
         ({"min_tokens": 2.5}, "min_tokens"),
+        ({"fuse_gelu": "yes"}, "fuse_gelu: expected true/false"),
     ],
 )
 def test_invalid_options_are_rejected_by_name(options, message):
@@ -65,8 +67,9 @@ def test_non_mapping_is_rejected():
 
 @settings(max_examples=20, deadline=None)
 @given(patterns=st.lists(st.text(min_size=1, max_size=12).filter(str.strip), min_size=1, max_size=4),
-       min_tokens=st.integers(0, 10**6), fast=st.booleans())
-def test_round_trip_through_json(patterns, min_tokens, fast):
-    opts = Options.from_mapping({"include": patterns, "min_tokens": min_tokens, "use_fast_accum": fast})
+       min_tokens=st.integers(0, 10**6), fast=st.booleans(), fuse=st.booleans())
+def test_round_trip_through_json(patterns, min_tokens, fast, fuse):
+    opts = Options.from_mapping({"include": patterns, "min_tokens": min_tokens, "use_fast_accum": fast,
+                                 "fuse_gelu": fuse})
     assert Options.from_mapping(opts.to_json()) == opts
     assert opts.include == tuple(p.strip() for p in patterns)

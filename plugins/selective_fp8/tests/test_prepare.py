@@ -39,7 +39,8 @@ def registry() -> AccelerationRegistry:
 def test_wan_default_selects_the_ffn_linears_and_claims_roles(wan):
     plan = plan_for(wan)
     assert plan.name == "selective_fp8" and plan.exact is False
-    assert plan.claims == frozenset(WAN_FFN_PATHS) | {ROLE_QUANTIZATION, ROLE_WEIGHT_VIEW}
+    assert plan.claims == frozenset(WAN_FFN_PATHS) | {"blocks.0.ffn", "blocks.1.ffn", ROLE_QUANTIZATION,
+                                                      ROLE_WEIGHT_VIEW}
     assert plan.incompatible_with == {
         ROLE_FEATURE_CACHE, ROLE_STATIC_KV_CACHE, ROLE_OFFLOAD, ROLE_APPROXIMATE_ATTENTION}
     assert plan.options["include"] == ["blocks.*.ffn.net.0.proj", "blocks.*.ffn.net.2"]

@@ -41,13 +41,16 @@ class Options:
         use_fast_accum: ``torch._scaled_mm(use_fast_accum=...)``; faster, less accurate accumulation.
         min_tokens: inputs with fewer rows (tokens) than this run the dense Linear (small GEMMs gain nothing
             from FP8); the receipt records each such call.
+        fuse_gelu: when both Linears of a diffusers ``FeedForward`` with a GELU activation are selected, run
+            the GELU and the down projection's activation quantization as one Triton kernel (the FFN's forward
+            is replaced; same activation as the dense GELU). ``False`` keeps the strict per-Linear path.
 
     Raises:
         AccelerationOptionsError: wrong type, unknown scaling or negative ``min_tokens``.
 
     Example:
         >>> Options.from_mapping({"include": ["blocks.*.ffn.net.2"], "min_tokens": 256})
-        Options(include=('blocks.*.ffn.net.2',), exclude=(), scaling='rowwise', use_fast_accum=False, min_tokens=256)
+        Options(include=('blocks.*.ffn.net.2',), exclude=(), scaling='rowwise', use_fast_accum=False, min_tokens=256, fuse_gelu=True)
     """
 
     include: tuple[str, ...] | None = None
@@ -55,6 +58,7 @@ class Options:
     scaling: str = "rowwise"
     use_fast_accum: bool = False
     min_tokens: int = 1024
+    fuse_gelu: bool = True
 
     def __post_init__(self) -> None:
         if self.include is not None:
@@ -71,6 +75,8 @@ class Options:
             raise AccelerationOptionsError(
                 PLUGIN_NAME, f"use_fast_accum: expected true/false, got {self.use_fast_accum!r}"
             )
+        if not isinstance(self.fuse_gelu, bool):
+            raise AccelerationOptionsError(PLUGIN_NAME, f"fuse_gelu: expected true/false, got {self.fuse_gelu!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise AccelerationOptionsError(
                 PLUGIN_NAME, f"min_tokens: expected an integer >= 0, got {self.min_tokens!r}"
@@ -100,4 +106,5 @@ class Options:
             "scaling": self.scaling,
             "use_fast_accum": self.use_fast_accum,
             "min_tokens": self.min_tokens,
+            "fuse_gelu": self.fuse_gelu,
         }

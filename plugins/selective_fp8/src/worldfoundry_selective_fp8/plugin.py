@@ -33,6 +33,7 @@ from worldfoundry.core.acceleration.quantization.fp8_linear import SCALED_MM_ALI
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import AccelerationRefusedError
+from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND, FusableFFN, FusedFFN, plan_ffn_fusion
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 from worldfoundry_selective_fp8.runtime import SelectiveFP8Handle, SelectiveFP8Runtime
 
@@ -83,17 +84,32 @@ def memory_note(selected: Sequence[SelectedLinear]) -> str:
     )
 
 
+def fusion_note(fused: Sequence[FusableFFN], not_fused: Mapping[str, str]) -> str:
+    """One sentence about the fused GELU producers (and the candidate FFNs left unfused, with why)."""
+    if not fused and not not_fused:
+        return "no FFN has both Linears selected: every selected Linear runs its own activation quantization"
+    text = (f"{len(fused)} FFN(s) run GELU + the down projection's activation quantization as one kernel "
+            f"(receipt kind '{FUSED_KIND}'); this avoids writing the bfloat16 GELU output (M x inner x 2 bytes "
+            "per call) and reading it back")
+    if not_fused:
+        shown = "; ".join(f"{path}: {why}" for path, why in list(not_fused.items())[:4])
+        text += f". Not fused ({len(not_fused)}; per-Linear path): {shown}"
+    return text
+
+
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
     """Validate options and model; return the plan (the model is not changed).
 
     Args:
         model: a diffusers DiT (Wan, SANA-Video, MiniMax-H3) or any module when ``include`` is given.
-        options: ``{"include", "exclude", "scaling", "use_fast_accum", "min_tokens"}`` (all optional).
+        options: ``{"include", "exclude", "scaling", "use_fast_accum", "min_tokens", "fuse_gelu"}`` (all
+            optional).
         policy: the runtime policy (unused: the plugin runs on the model's own device; bf16 inputs on
             FP8-capable CUDA devices use FP8, everything else runs dense and is recorded).
 
     Returns:
-        A plan claiming every selected Linear path plus ``role:quantization`` and ``role:weight_view``.
+        A plan claiming every selected Linear path, every FFN whose GELU producer is fused (its forward is
+        replaced) plus ``role:quantization`` and ``role:weight_view``.
 
     Raises:
         AccelerationOptionsError: unknown option or invalid value.
@@ -114,6 +130,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         why="torch._scaled_mm needs in_features and out_features divisible by 16",
     )
     _refuse_weight_dtypes(selected)
+    fused, not_fused = plan_ffn_fusion(model, [s.path for s in selected], enabled=opts.fuse_gelu)
 
     def activate() -> SelectiveFP8Handle:
         ledger = ExecutionLedger(PLUGIN_NAME)
@@ -123,6 +140,10 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             for s in selected:
                 runtime.add(s.path, s.module, quantize_weight_rowwise_fp8(s.module.weight))
                 rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+            for plan in fused:
+                rec.wrap_forward(plan.ffn, FusedFFN(runtime, plan).make_wrapper, name=PLUGIN_NAME)
+            runtime.fused_ffns = tuple(plan.claim for plan in fused)
+            runtime.not_fused = dict(not_fused)
             patches = rec.pop_all()
         return SelectiveFP8Handle(patches, ledger, runtime)
 
@@ -130,7 +151,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     resolved["include"] = list(include)
     return PreparedAcceleration(
         name=PLUGIN_NAME,
-        claims=frozenset({s.path for s in selected} | {ROLE_QUANTIZATION, ROLE_WEIGHT_VIEW}),
+        claims=frozenset({s.path for s in selected} | {plan.claim for plan in fused}
+                         | {ROLE_QUANTIZATION, ROLE_WEIGHT_VIEW}),
         activate=activate,
         incompatible_with=INCOMPATIBLE_ROLES,
         options=resolved,
@@ -138,6 +160,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         notes=(
             "approximate: rowwise FP8 e4m3 weights and activations, float32 accumulation, bfloat16 output",
             memory_note(selected),
+            fusion_note(fused, not_fused),
             "runs the dense Linear (recorded as a fallback with its reason) on CPU, GPUs below sm_89, non-bf16 "
             f"inputs and inputs with fewer than {opts.min_tokens} rows",
         ),

@@ -7,6 +7,10 @@ Each selected Linear keeps its dense weight; its forward is replaced by one that
 * runs the original dense forward, recorded as ``fallback(path, reason)`` with one of the reasons in
   :data:`FALLBACK_REASONS` (``"cpu device"``, ``"gpu lacks fp8"``, ``"fewer than min_tokens rows"``, ...).
 
+When both Linears of a diffusers ``FeedForward`` are selected, the FFN's forward is replaced as well (see
+:mod:`worldfoundry_selective_fp8.ffn_fusion`): the down projection's GELU and activation quantization then run
+as one kernel, recorded as ``executed(ffn_path, "fp8_gelu_fused")``.
+
 The numerics live in :mod:`worldfoundry.core.acceleration.quantization` and
 :mod:`worldfoundry.core.acceleration.kernels`.
 """
@@ -32,6 +36,7 @@ from worldfoundry.core.acceleration.quantization.fp8_linear import (
     scaled_mm_rowwise,
 )
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 
 logger = logging.getLogger(__name__)
@@ -80,6 +85,11 @@ class SelectiveFP8Runtime:
         self._clip_counters: dict[str, torch.Tensor] = {}
         self._clip_lock = threading.Lock()
         self.clipped_total = 0
+        #: ``ledger.executed`` kind of an FP8 Linear call.
+        self.executed_kind = EXECUTED_KIND
+        #: FFN path -> why it is not fused (candidates only), filled at activation.
+        self.not_fused: dict[str, str] = {}
+        self.fused_ffns: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ construction
     def add(self, path: str, linear: nn.Linear, weight: FP8RowwiseWeight) -> None:
@@ -105,7 +115,13 @@ class SelectiveFP8Runtime:
     # ------------------------------------------------------------------ per call
     def fallback_reason(self, target: _Target, x: torch.Tensor) -> str | None:
         """Why this call runs the dense Linear (``None``: it runs FP8)."""
-        device = x.device
+        k = target.in_features
+        rows = x.numel() // k if x.dim() >= 1 and x.shape[-1] == k else 0
+        return self.call_reason(target, x.device, x.dtype, rows, x.requires_grad)
+
+    def call_reason(self, target: _Target, device: torch.device, dtype: torch.dtype, rows: int,
+                    requires_grad: bool) -> str | None:
+        """:meth:`fallback_reason` for an input described by its device, dtype, row count and grad flag."""
         try:
             reason = self.device_reasons[device]
         except KeyError:
@@ -115,21 +131,22 @@ class SelectiveFP8Runtime:
             return reason
         if device != target.weight.qweight.device:
             return REASON_OTHER_DEVICE
-        if x.dtype != torch.bfloat16 or target.linear.weight.dtype != torch.bfloat16:
+        if dtype != torch.bfloat16 or target.linear.weight.dtype != torch.bfloat16:
             return REASON_DTYPE
-        k = target.in_features
-        rows = x.numel() // k if x.dim() >= 1 and x.shape[-1] == k else 0
         if rows == 0 or rows < self.options.min_tokens:
             return REASON_FEW_ROWS
-        if torch.is_grad_enabled() and (x.requires_grad or target.linear.weight.requires_grad):
+        if torch.is_grad_enabled() and (requires_grad or target.linear.weight.requires_grad):
             return REASON_AUTOGRAD
         return None
 
     def _fp8_forward(self, target: _Target, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        rows = quantize_activations_rowwise_fp8(
-            x.reshape(-1, target.in_features), clip_counter=self._clip_counter(target.path, x.device)
-        )
+        out = self.fp8_matmul(target, x.reshape(-1, target.in_features))
+        return out.reshape(*lead, target.out_features)
+
+    def fp8_matmul(self, target: _Target, rows_in: torch.Tensor) -> torch.Tensor:
+        """FP8 Linear of ``[M, K]`` rows: activation quantization + ``torch._scaled_mm`` + bias, recorded."""
+        rows = quantize_activations_rowwise_fp8(rows_in, clip_counter=self.clip_counter(target.path, rows_in.device))
         if rows.fallback_reason is not None:
             self.ledger.count(QUANT_REFERENCE_COUNTER)
         out = scaled_mm_rowwise(
@@ -137,9 +154,10 @@ class SelectiveFP8Runtime:
             out_dtype=torch.bfloat16, use_fast_accum=self.options.use_fast_accum,
         )
         self.ledger.executed(target.path, EXECUTED_KIND)
-        return out.reshape(*lead, target.out_features)
+        return out
 
-    def _clip_counter(self, path: str, device: torch.device) -> torch.Tensor:
+    def clip_counter(self, path: str, device: torch.device) -> torch.Tensor:
+        """The device-side clip counter of ``path`` (created on first use)."""
         counter = self._clip_counters.get(path)
         if counter is None or counter.device != device:
             # a normal tensor even when created under inference_mode, so flush_clips can reset it anywhere
@@ -220,6 +238,13 @@ class SelectiveFP8Handle(RecordedHandle):
             "use_fast_accum": self.runtime.options.use_fast_accum,
             "min_tokens": self.runtime.options.min_tokens,
             "memory": dict(self._memory),
+            "fused_producer": {
+                "kind": FUSED_KIND,
+                "ffns": list(self.runtime.fused_ffns),
+                "not_fused": dict(self.runtime.not_fused),
+                "meaning": "FFNs whose GELU and down-projection activation quantization run as one Triton kernel; "
+                           f"each fused call records '{FUSED_KIND}' on the FFN path",
+            },
             "activation_clipping": {
                 "elements_total": self.runtime.clipped_total,
                 "threshold": CLIP_THRESHOLD,

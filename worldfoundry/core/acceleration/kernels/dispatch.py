@@ -3,6 +3,8 @@ otherwise, and the reason whenever the reference ran instead (so receipts can sh
 
 Both backends compute the same function bitwise (see
 :mod:`worldfoundry.core.acceleration.kernels.fp8_rowwise_quant`); only speed differs.
+:func:`gelu_quantize_activations_rowwise_fp8` does the same for the fused GELU producer
+(:mod:`worldfoundry.core.acceleration.kernels.fp8_gelu_quant`), whose reference is torch's own GELU.
 
 Example:
     >>> import torch
@@ -19,6 +21,10 @@ from typing import Final, Literal
 
 import torch
 
+from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import (
+    reference_gelu_quantize_rowwise_fp8,
+    triton_gelu_quantize_rowwise_fp8,
+)
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import (
     TRITON_AVAILABLE,
     interpreter_enabled,
@@ -35,7 +41,7 @@ BACKENDS: Final = ("auto", "triton", "torch")
 
 #: Reasons reported when the torch reference runs under ``backend="auto"``.
 REASON_TRITON_MISSING: Final = "triton not importable"
-_logged_reasons: set[str] = set()
+_logged_reasons: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -93,37 +99,79 @@ def quantize_activations_rowwise_fp8(
     Raises:
         QuantizationInputError: unknown backend, bad input, or ``"triton"`` requested where it cannot run.
     """
-    if backend not in BACKENDS:
-        raise QuantizationInputError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    reason: str | None = None
-    if backend == "auto":
-        reason = REASON_TRITON_MISSING if not TRITON_AVAILABLE else (
-            None if x.device.type == "cuda" else f"{x.device.type} tensor"
-        )
-        use_triton = reason is None
-    elif backend == "triton":
-        blocker = triton_unavailable_reason(x)
-        if blocker is not None:
-            raise QuantizationInputError(f"the Triton backend cannot run here: {blocker}")
-        use_triton = True
-    else:
-        use_triton = False
+    use_triton, reason = _choose(x, backend)
     if use_triton:
         q, scale = triton_quantize_rowwise_fp8(x, clip_counter=clip_counter)
         return QuantizedRows(q, scale, "triton")
-    if reason is not None and reason not in _logged_reasons:
-        _logged_reasons.add(reason)
-        logger.info("rowwise FP8 activation quantization uses the torch reference: %s", reason)
+    _log_once(reason, "rowwise FP8 activation quantization")
     q, scale = reference_quantize_rowwise_fp8(x)
     if clip_counter is not None:
         clip_counter += count_clipped(x, scale).to(clip_counter.dtype)
     return QuantizedRows(q, scale, "torch", reason)
 
 
+def gelu_quantize_activations_rowwise_fp8(
+    h: torch.Tensor, approximate: str = "tanh", *, clip_counter: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> QuantizedRows:
+    """GELU then rowwise FP8 quantization of ``h`` (bfloat16), choosing the backend as
+    :func:`quantize_activations_rowwise_fp8` does.
+
+    ``"triton"`` is the fused kernel (one read of ``h``, no bfloat16 GELU output written); ``"torch"`` is the
+    reference ``quantize_rowwise_fp8(F.gelu(h, approximate=approximate))``.
+
+    Args:
+        h: bfloat16 tensor ``[..., K]`` (a producer Linear's output).
+        approximate: ``"tanh"`` or ``"none"``.
+        clip_counter: optional one-element int32 tensor on ``h``'s device; clipped elements are added to it.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        :class:`QuantizedRows` of the activation.
+
+    Raises:
+        QuantizationInputError: unknown backend, bad input, unsupported ``approximate`` or ``"triton"``
+            requested where it cannot run.
+    """
+    use_triton, reason = _choose(h, backend)
+    if use_triton:
+        q, scale = triton_gelu_quantize_rowwise_fp8(h, approximate, clip_counter=clip_counter)
+        return QuantizedRows(q, scale, "triton")
+    _log_once(reason, "fused GELU + FP8 activation quantization")
+    q, scale, g = reference_gelu_quantize_rowwise_fp8(h, approximate, return_activation=True)
+    if clip_counter is not None:
+        clip_counter += count_clipped(g, scale).to(clip_counter.dtype)
+    return QuantizedRows(q, scale, "torch", reason)
+
+
+def _choose(x: torch.Tensor, backend: str) -> tuple[bool, str | None]:
+    """``(use_triton, reason the reference runs under "auto")``."""
+    if backend not in BACKENDS:
+        raise QuantizationInputError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        reason = REASON_TRITON_MISSING if not TRITON_AVAILABLE else (
+            None if x.device.type == "cuda" else f"{x.device.type} tensor"
+        )
+        return reason is None, reason
+    if backend == "triton":
+        blocker = triton_unavailable_reason(x)
+        if blocker is not None:
+            raise QuantizationInputError(f"the Triton backend cannot run here: {blocker}")
+        return True, None
+    return False, None
+
+
+def _log_once(reason: str | None, what: str) -> None:
+    if reason is not None and (what, reason) not in _logged_reasons:
+        _logged_reasons.add((what, reason))
+        logger.info("%s uses the torch reference: %s", what, reason)
+
+
 __all__ = [
     "BACKENDS",
     "REASON_TRITON_MISSING",
     "QuantizedRows",
+    "gelu_quantize_activations_rowwise_fp8",
     "quantize_activations_rowwise_fp8",
     "triton_unavailable_reason",
 ]

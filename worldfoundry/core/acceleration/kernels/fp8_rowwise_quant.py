@@ -12,8 +12,17 @@ round to nearest even, the same as torch's cast). The Triton interpreter convert
 (``SOFTWARE_ROUNDING``) and the cast only sees values FP8 represents exactly. Both give the same bytes; the
 GPU tests check the two paths against the reference.
 
-Rows of up to :data:`SINGLE_PASS_MAX_K` elements are read once and kept in registers. Longer rows are read
-twice (amax pass, then quantize pass), the second read mostly served from L2.
+Row layout: a row of ``K`` elements is split into at most three power-of-two pieces (``1536 = 1024 + 512``,
+``8960 = 8192 + 512 + 256``) instead of one block padded to the next power of two, so no lane loads, computes
+or stores padding (padding 8,960 to 16,384 wasted 45 % of the lanes). Narrow rows are grouped, several rows
+per program (:data:`TARGET_ELEMENTS_PER_PROGRAM`). Rows of up to :data:`SINGLE_PASS_MAX_K` elements are read
+once and kept in registers; longer rows are read twice (amax pass, then quantize pass), the second read mostly
+served from L2. Grouping and splitting never change the result: the row maximum is exact in any order and every
+other step is per element.
+
+The same kernel can apply a producer activation first (``ACTIVATION``): GELU computed in float32 and rounded to
+bfloat16 exactly as torch's bfloat16 GELU does on CUDA, then quantized. That fused producer and its torch
+reference live in :mod:`worldfoundry.core.acceleration.kernels.fp8_gelu_quant`.
 
 Optionally the kernel adds the number of clipped elements (``|x * (1 / scale)| >= 464`` or non-finite: with
 dynamic per-row scaling only non-finite inputs clip) to an int32 counter on the device, with one atomic per
@@ -26,6 +35,7 @@ Example (CPU, with ``TRITON_INTERPRET=1`` set before triton is imported)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Final
@@ -38,7 +48,9 @@ from worldfoundry.core.acceleration.quantization.fp8 import (
     FP8_DTYPE,
     FP8_E4M3_MAX,
 )
-from worldfoundry.core.acceleration.quantization.fp8 import quantize_rowwise_fp8 as reference_quantize_rowwise_fp8
+from worldfoundry.core.acceleration.quantization.fp8 import (
+    quantize_rowwise_fp8 as reference_quantize_rowwise_fp8,
+)
 from worldfoundry.errors import QuantizationInputError
 
 logger = logging.getLogger(__name__)
@@ -56,16 +68,20 @@ TRITON_AVAILABLE: Final = triton is not None
 SINGLE_PASS_MAX_K: Final = 16384
 #: Chunk width for longer rows (two passes).
 MULTI_PASS_BLOCK_K: Final = 4096
-#: Elements handled per program (rows are grouped until a program holds about this many).
-TARGET_ELEMENTS_PER_PROGRAM: Final = 4096
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), which accepts CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
+#: Narrow rows are grouped until a program holds about this many elements (a power-of-two number of rows).
+TARGET_ELEMENTS_PER_PROGRAM: Final = 8192
+#: Narrowest row piece (narrower rows are padded to it).
+MIN_PIECE: Final = 16
+#: ``ACTIVATION`` codes of the kernel: none (plain quantization), GELU tanh approximation, exact (erf) GELU.
+ACTIVATION_NONE: Final = 0
+ACTIVATION_GELU_TANH: Final = 1
+ACTIVATION_GELU_ERF: Final = 2
 
 if TRITON_AVAILABLE:
+    try:  # the backend-neutral module, resolved to CUDA's libdevice when compiling for NVIDIA GPUs
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - older triton layouts
+        from triton.language.extra.cuda import libdevice
 
     @triton.jit
     def _round_to_e4m3_grid(y):
@@ -83,56 +99,130 @@ if TRITON_AVAILABLE:
         return rounded.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _round_to_bfloat16_grid(y):
+        """Round finite float32 ``y`` to the nearest bfloat16 value (ties to even), kept in float32."""
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return rounded.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _portable_tanh(y):
+        """float32 tanh from float64 ``exp`` (interpreter only: the interpreter has no libdevice)."""
+        a = tl.minimum(tl.abs(y), 20.0).to(tl.float64)  # tanh(20) rounds to 1 in float32; no exp overflow
+        t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+        t = t.to(tl.float32)
+        return tl.where(y < 0.0, -t, t)
+
+    @triton.jit
+    def _gelu_to_bfloat16(x, c0, c1, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
+                          SOFTWARE_ROUNDING: tl.constexpr):
+        """torch's CUDA GELU of float32 ``x``, rounded to bfloat16 and returned as float32.
+
+        Tanh (``c0`` = kBeta, ``c1`` = kKappa): ``(0.5 * x) * (1 + tanhf(kBeta * fma(kKappa, (x * x) * x, x)))``;
+        erf (``c0`` = 1/sqrt(2)): ``(x * 0.5) * (1 + erff(x * c0))`` -- the same float32 operations, in the same
+        order, as ``GeluCUDAKernelImpl`` compiled with nvcc's default contraction of ``x + kKappa * x_cube``.
+        """
+        if ACTIVATION == 1:
+            inner = c0 * tl.fma(c1, x * x * x, x)
+            if PORTABLE_MATH:
+                t = _portable_tanh(inner)
+            else:
+                t = libdevice.tanh(inner)
+            y = (0.5 * x) * (1.0 + t)
+        else:
+            z = x * c0
+            if PORTABLE_MATH:
+                e = tl.erf(z)
+            else:
+                e = libdevice.erf(z)
+            y = (x * 0.5) * (1.0 + e)
+        if SOFTWARE_ROUNDING:
+            y = _round_to_bfloat16_grid(y)
+        else:
+            y = y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        return y
+
+    @triton.jit
+    def _load_rows(x_rows, row_mask, col0, K, c0, c1, WIDTH: tl.constexpr, ACTIVATION: tl.constexpr,
+                   PORTABLE_MATH: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+        """Columns ``[col0, col0 + WIDTH)`` of the program's rows as float32 (after the activation, if any)."""
+        cols = col0 + tl.arange(0, WIDTH)
+        mask = row_mask[:, None] & (cols[None, :] < K)
+        v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION != 0:
+            v = _gelu_to_bfloat16(v, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+        return v, mask, cols
+
+    @triton.jit
+    def _store_rows(v, inv, q_rows, a_rows, cols, mask, fp8_max, clip_threshold, COUNT_CLIPS: tl.constexpr,
+                    STORE_ACTIVATION: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+        """Quantize ``v`` with the per-row reciprocals ``inv`` and store it; returns clipped elements per row."""
+        if STORE_ACTIVATION:
+            tl.store(a_rows + cols[None, :], v.to(tl.bfloat16), mask=mask)
+        y = v * inv[:, None]
+        if COUNT_CLIPS:
+            clipped = tl.sum(tl.where(tl.abs(y) < clip_threshold, 0, 1), axis=1)
+        else:
+            clipped = tl.zeros([v.shape[0]], dtype=tl.int32)
+        y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
+        if SOFTWARE_ROUNDING:
+            y = _round_to_e4m3_grid(y)
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        tl.store(q_rows + cols[None, :], q, mask=mask)
+        return clipped
+
+    @triton.jit
     def _fp8_rowwise_quant_kernel(
-        x_ptr, q_ptr, scale_ptr, clip_ptr,
-        M, K, stride_xm, stride_qm,
-        fp8_max, amax_floor, clip_threshold,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        SINGLE_PASS: tl.constexpr, COUNT_CLIPS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+        x_ptr, q_ptr, scale_ptr, clip_ptr, act_ptr,
+        M, K, stride_xm, stride_qm, stride_am,
+        fp8_max, amax_floor, clip_threshold, c0, c1,
+        BLOCK_M: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, BLOCK_K: tl.constexpr,
+        SINGLE_PASS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_ACTIVATION: tl.constexpr,
+        PORTABLE_MATH: tl.constexpr, COUNT_CLIPS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows64[:, None] * stride_xm
         q_rows = q_ptr + rows64[:, None] * stride_qm
-        clipped = tl.zeros([BLOCK_M], dtype=tl.int32)
+        a_rows = act_ptr + rows64[:, None] * stride_am
         if SINGLE_PASS:
-            mask = row_mask[:, None] & (cols[None, :] < K)
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
+            # the row in up to three power-of-two pieces, all held in registers between amax and quantization
+            v0, m0, k0 = _load_rows(x_rows, row_mask, 0, K, c0, c1, P0, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+            amax = tl.max(tl.abs(v0), axis=1)
+            if P1 > 0:
+                v1, m1, k1 = _load_rows(x_rows, row_mask, P0, K, c0, c1, P1, ACTIVATION, PORTABLE_MATH,
+                                        SOFTWARE_ROUNDING)
+                amax = tl.maximum(amax, tl.max(tl.abs(v1), axis=1))
+            if P2 > 0:
+                v2, m2, k2 = _load_rows(x_rows, row_mask, P0 + P1, K, c0, c1, P2, ACTIVATION, PORTABLE_MATH,
+                                        SOFTWARE_ROUNDING)
+                amax = tl.maximum(amax, tl.max(tl.abs(v2), axis=1))
             scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
             inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
-            y = x * inv[:, None]
-            if COUNT_CLIPS:
-                clipped += tl.sum(tl.where(tl.abs(y) < clip_threshold, 0, 1), axis=1)
-            y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
-            if SOFTWARE_ROUNDING:
-                y = _round_to_e4m3_grid(y)
-            q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(q_rows + cols[None, :], q, mask=mask)
+            clipped = _store_rows(v0, inv, q_rows, a_rows, k0, m0, fp8_max, clip_threshold, COUNT_CLIPS,
+                                  STORE_ACTIVATION, SOFTWARE_ROUNDING)
+            if P1 > 0:
+                clipped += _store_rows(v1, inv, q_rows, a_rows, k1, m1, fp8_max, clip_threshold, COUNT_CLIPS,
+                                       STORE_ACTIVATION, SOFTWARE_ROUNDING)
+            if P2 > 0:
+                clipped += _store_rows(v2, inv, q_rows, a_rows, k2, m2, fp8_max, clip_threshold, COUNT_CLIPS,
+                                       STORE_ACTIVATION, SOFTWARE_ROUNDING)
         else:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + cols
-                mask = row_mask[:, None] & (kk[None, :] < K)
-                x = tl.load(x_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            for k_start in range(0, K, BLOCK_K):
+                v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
+                                      SOFTWARE_ROUNDING)
+                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
             scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
             inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + cols
-                mask = row_mask[:, None] & (kk[None, :] < K)
-                x = tl.load(x_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-                y = x * inv[:, None]
-                if COUNT_CLIPS:
-                    clipped += tl.sum(tl.where(tl.abs(y) < clip_threshold, 0, 1), axis=1)
-                y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
-                if SOFTWARE_ROUNDING:
-                    y = _round_to_e4m3_grid(y)
-                q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(q_rows + kk[None, :], q, mask=mask)
+            clipped = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for k_start in range(0, K, BLOCK_K):  # second read (L2); the activation is recomputed
+                v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
+                                      SOFTWARE_ROUNDING)
+                clipped += _store_rows(v, inv, q_rows, a_rows, kk, m, fp8_max, clip_threshold, COUNT_CLIPS,
+                                       STORE_ACTIVATION, SOFTWARE_ROUNDING)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
         if COUNT_CLIPS:
             total = tl.sum(tl.where(row_mask, clipped, 0), axis=0)
@@ -140,25 +230,75 @@ if TRITON_AVAILABLE:
                 tl.atomic_add(clip_ptr, total)
 
 
-def launch_config(k: int) -> dict[str, Any]:
+def interpreter_enabled() -> bool:
+    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), which accepts CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
+def row_pieces(k: int) -> tuple[int, int, int]:
+    """Split a row of ``k`` elements into at most three power-of-two pieces ``(P0, P1, P2)`` (0 = absent).
+
+    ``P0`` and ``P1`` are the two largest powers of two that fit; ``P2`` covers the rest, padded to a power of
+    two (masked); pieces are at least :data:`MIN_PIECE` wide. Rows narrower than 64 use one padded piece.
+
+    Example:
+        >>> row_pieces(1536), row_pieces(8960), row_pieces(100)
+        ((1024, 512, 0), (8192, 512, 256), (64, 32, 16))
+    """
+    k = max(int(k), 1)
+    if k < 64:
+        return max(_pow2_ceil(k), MIN_PIECE), 0, 0
+    p0 = _pow2_floor(k)
+    rest = k - p0
+    p1 = (_pow2_floor(rest) if rest >= MIN_PIECE else MIN_PIECE) if rest else 0
+    rest = max(rest - p1, 0)
+    p2 = max(_pow2_ceil(rest), MIN_PIECE) if rest else 0
+    return p0, p1, p2
+
+
+@functools.lru_cache(maxsize=256)
+def _config(k: int, activation: int) -> tuple[int, int, int, int, int, bool, int]:
+    """``(BLOCK_M, P0, P1, P2, BLOCK_K, SINGLE_PASS, num_warps)`` for rows of ``k`` elements."""
+    single = k <= SINGLE_PASS_MAX_K
+    if single:
+        p0, p1, p2 = row_pieces(k)
+        width = p0 + p1 + p2
+    else:
+        p0, p1, p2 = MULTI_PASS_BLOCK_K, 0, 0
+        width = MULTI_PASS_BLOCK_K
+    block_m = _pow2_floor(max(1, min(64, TARGET_ELEMENTS_PER_PROGRAM // width)))
+    elements = block_m * width
+    num_warps = 4 if elements <= 4096 else (8 if elements <= 8192 else 16)
+    return block_m, p0, p1, p2, width, single, num_warps
+
+
+def launch_config(k: int, activation: int = ACTIVATION_NONE) -> dict[str, Any]:
     """Block sizes and warps used for rows of ``k`` elements (shared by the launcher, tests and benchmarks).
 
+    Args:
+        k: elements per row.
+        activation: one of the ``ACTIVATION_*`` codes (the same layout is used for every activation today).
+
     Returns:
-        ``{"BLOCK_M", "BLOCK_K", "SINGLE_PASS", "num_warps"}``.
+        ``{"BLOCK_M", "PIECES", "BLOCK_K", "SINGLE_PASS", "num_warps"}``: rows per program, the row's pieces
+        (single pass), the padded row width (single pass) or chunk width (two passes), the pass mode and warps.
 
     Raises:
         QuantizationInputError: triton is not importable.
     """
     if not TRITON_AVAILABLE:
         raise QuantizationInputError("triton is not installed; install the 'triton' extra or use the torch reference")
-    block_k = triton.next_power_of_2(max(int(k), 16))
-    single = block_k <= SINGLE_PASS_MAX_K
-    if not single:
-        block_k = MULTI_PASS_BLOCK_K
-    block_m = max(1, min(64, TARGET_ELEMENTS_PER_PROGRAM // block_k))
-    elements = block_m * block_k
-    num_warps = 4 if elements <= 4096 else (8 if elements <= 8192 else 16)
-    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SINGLE_PASS": single, "num_warps": num_warps}
+    block_m, p0, p1, p2, block_k, single, num_warps = _config(int(k), int(activation))
+    return {"BLOCK_M": block_m, "PIECES": (p0, p1, p2) if single else (), "BLOCK_K": block_k,
+            "SINGLE_PASS": single, "num_warps": num_warps}
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -170,8 +310,81 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def check_clip_counter(clip_counter: torch.Tensor | None, x: torch.Tensor) -> None:
+    """Raise unless ``clip_counter`` is ``None`` or a one-element int32 tensor on ``x``'s device."""
+    if clip_counter is not None and (
+        clip_counter.dtype != torch.int32 or clip_counter.numel() != 1 or clip_counter.device != x.device
+    ):
+        raise QuantizationInputError("clip_counter must be a one-element int32 tensor on the input's device")
+
+
+def launch_rowwise_fp8(
+    x: torch.Tensor,
+    *,
+    activation: int = ACTIVATION_NONE,
+    constants: tuple[float, float] = (0.0, 0.0),
+    clip_counter: torch.Tensor | None = None,
+    software_rounding: bool | None = None,
+    portable_math: bool | None = None,
+    store_activation: bool = False,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the kernel on already validated input (callers check dtype, device and the counter).
+
+    Args:
+        x: ``[..., K]`` input on a CUDA device (or the CPU under the interpreter).
+        activation: ``ACTIVATION_*`` code applied before quantization.
+        constants: the activation's float32 constants ``(c0, c1)`` (see ``_gelu_to_bfloat16``).
+        clip_counter: optional one-element int32 device counter.
+        software_rounding: explicit bfloat16/e4m3 rounding in bit arithmetic (default: only under the
+            interpreter).
+        portable_math: tanh/erf without libdevice (default: only under the interpreter, which has none).
+        store_activation: also return the activation output (bfloat16; for tests and benchmarks).
+        config: override of :func:`launch_config`'s ``BLOCK_M``/``num_warps`` (benchmark sweeps); the result
+            does not depend on it.
+
+    Returns:
+        ``(q, scale, activation_output_or_None)``.
+    """
+    interpreted = interpreter_enabled()
+    shape = x.shape
+    k = shape[-1]
+    rows = _as_rows(x)
+    m = rows.shape[0]
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    act = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if store_activation else None
+    if m > 0:
+        block_m, p0, p1, p2, block_k, single, num_warps = _config(int(k), int(activation))
+        if config:
+            block_m = int(config.get("BLOCK_M", block_m))
+            num_warps = int(config.get("num_warps", num_warps))
+        counter = clip_counter if clip_counter is not None else scale
+        act_arg = act if act is not None else q
+        args = (
+            rows, q, scale, counter, act_arg, m, k, rows.stride(0), q.stride(0), act_arg.stride(0),
+            FP8_E4M3_MAX, AMAX_FLOOR, CLIP_THRESHOLD, float(constants[0]), float(constants[1]),
+        )
+        kwargs = {
+            "BLOCK_M": block_m, "P0": p0, "P1": p1, "P2": p2, "BLOCK_K": block_k, "SINGLE_PASS": single,
+            "ACTIVATION": int(activation), "STORE_ACTIVATION": act is not None,
+            "PORTABLE_MATH": interpreted if portable_math is None else bool(portable_math),
+            "COUNT_CLIPS": clip_counter is not None,
+            "SOFTWARE_ROUNDING": interpreted if software_rounding is None else bool(software_rounding),
+            "num_warps": num_warps,
+        }
+        grid = (triton.cdiv(m, block_m),)
+        if x.device.type == "cuda" and x.device.index is not None and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
+        else:
+            _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
+    return q.view(shape), scale.view(*shape[:-1], 1), act.view(shape) if act is not None else None
+
+
 def triton_quantize_rowwise_fp8(
-    x: torch.Tensor, *, clip_counter: torch.Tensor | None = None, software_rounding: bool | None = None
+    x: torch.Tensor, *, clip_counter: torch.Tensor | None = None, software_rounding: bool | None = None,
+    config: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize every row of ``x`` with the fused Triton kernel (same result as the torch reference).
 
@@ -182,6 +395,7 @@ def triton_quantize_rowwise_fp8(
             is added to it (no host synchronisation).
         software_rounding: round onto the e4m3 grid in float32 bit arithmetic before the cast. ``None``
             (default) does so only under the interpreter; on CUDA both settings give the same bytes.
+        config: optional ``{"BLOCK_M", "num_warps"}`` override (benchmark sweeps; same bytes for any value).
 
     Returns:
         ``(q, scale)`` exactly like
@@ -205,43 +419,23 @@ def triton_quantize_rowwise_fp8(
             f"triton_quantize_rowwise_fp8: tensor on {x.device}; the kernel needs a CUDA device "
             "(or TRITON_INTERPRET=1 for CPU tests)"
         )
-    if clip_counter is not None and (
-        clip_counter.dtype != torch.int32 or clip_counter.numel() != 1 or clip_counter.device != x.device
-    ):
-        raise QuantizationInputError("clip_counter must be a one-element int32 tensor on the input's device")
-    shape = x.shape
-    k = shape[-1]
-    rows = _as_rows(x)
-    m = rows.shape[0]
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m > 0:
-        cfg = launch_config(k)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-        counter = clip_counter if clip_counter is not None else scale
-        args = (
-            rows, q, scale, counter, m, k, rows.stride(0), q.stride(0),
-            FP8_E4M3_MAX, AMAX_FLOOR, CLIP_THRESHOLD,
-        )
-        kwargs = dict(
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], SINGLE_PASS=cfg["SINGLE_PASS"],
-            COUNT_CLIPS=clip_counter is not None,
-            SOFTWARE_ROUNDING=interpreter_enabled() if software_rounding is None else bool(software_rounding),
-            num_warps=cfg["num_warps"],
-        )
-        if x.device.type == "cuda" and x.device.index is not None and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
-        else:
-            _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
-    return q.view(shape), scale.view(*shape[:-1], 1)
+    check_clip_counter(clip_counter, x)
+    q, scale, _ = launch_rowwise_fp8(x, clip_counter=clip_counter, software_rounding=software_rounding,
+                                     config=config)
+    return q, scale
 
 
 __all__ = [
+    "ACTIVATION_GELU_ERF",
+    "ACTIVATION_GELU_TANH",
+    "ACTIVATION_NONE",
     "SINGLE_PASS_MAX_K",
     "TRITON_AVAILABLE",
+    "check_clip_counter",
     "interpreter_enabled",
     "launch_config",
+    "launch_rowwise_fp8",
     "reference_quantize_rowwise_fp8",
+    "row_pieces",
     "triton_quantize_rowwise_fp8",
 ]
