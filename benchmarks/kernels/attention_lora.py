@@ -1,30 +1,33 @@
 """GPU evidence for ``attention_lora``: cost of the FP32 adapter and its accuracy against float64.
 
-Sections (all in one process, every timing interleaved over ≥ 3 paired rounds, medians, warm-up and Triton JIT
-excluded):
+Sections (all in one process; warm-up and Triton JIT excluded from every timing):
 
-1. ``kernels`` — the two Triton kernels at the H3 block's shapes (down: x ``rows × 5376`` bf16 → rank 8;
-   up-and-add: base ``rows × 7168``), effective bandwidth, a small launch-configuration sweep, and a check of
-   the bfloat16×3 tensor-core path against float64.
+1. ``kernels`` — the Triton kernels at the H3 block's shapes: the down step for rank 8 and for three rank-8
+   adapters stacked on tile boundaries (Q/K/V with separate ``A``, read ``x`` once) against three separate
+   launches; the up-and-add step for 7,168- and 5,376-wide bf16 outputs; a plain copy of the same bytes as the
+   bandwidth anchor; GB/s for each; a small launch-configuration sweep. Checks: down within the FP32 bound of
+   float64, stacked columns bitwise equal to separate launches, up bitwise equal to its torch reference.
 2. ``h3_block`` — one full-size MiniMax-H3 block (diffusers defaults: hidden 5376, 56 heads × 128, FFN 14336,
    bf16, random weights) on a packed sequence of ``--rows`` rows (16,384: text, video and audio rows are the
    same to a block; two noise levels, three modalities in the AdaLN table). Variants: ``base`` (no adapter),
    ``ours`` (the plugin's activation path: FP32 adapter, Triton kernels, Q/K/V sharing one down step),
    ``naive_fp32`` (``x.float() @ Aᵀ @ Bᵀ`` per projection, the anchor's method) and ``peft_bf16`` (the adapter
-   in bf16 as diffusers/PEFT computes it on a bf16 model). Rank 8 on q/k/v/o, scale −1.
-   Accuracy: per projection (Q and O at full rows) against float64 evaluation of the same adapter on the same
-   bf16 base output; block output at ``--error-rows`` rows against a float64 copy of the block with the
-   adapter merged into its weights.
+   in bf16 as diffusers/PEFT computes it on a bf16 model). Rank 8 on q/k/v/o, scale −1. Timing: ``--pairs``
+   ABBA rounds (base, variant, variant, base) per variant, interleaved; the overhead is the median of the paired
+   ratios ``(B₁ + B₂) / (A₁ + A₂)``. Accuracy: per projection (Q and O at full rows) against float64 evaluation
+   of the same adapter on the same bf16 base output; block output at ``--error-rows`` rows against a float64
+   copy of the block with the adapter merged into its weights.
 3. ``wan`` — Wan2.1-T2V-1.3B architecture (random seeded weights, bf16, fp32 modules kept as diffusers keeps
    them): W81 (latent 21×60×104 → 32,760 tokens, 512 text tokens) forward with and without a rank-8 adapter on
-   every attn1/attn2 q/k/v/o (installed through the plugin), PEFT-bf16-style and naive FP32 wrappers; per
-   projection errors at W81; whole-forward error at W17 (3,600 tokens) against a float64 merged model.
+   every attn1/attn2 q/k/v/o (installed through the plugin), PEFT-bf16-style and naive FP32 wrappers, ABBA pairs
+   as above (``--wan-pairs``, fewer when ``--budget-s`` runs short); per projection errors at W81;
+   whole-forward error at W17 (3,600 tokens) against a float64 merged model.
 
 Random weights say nothing about visual quality; they are fine for speed and arithmetic accuracy.
 
 Usage::
 
-    python benchmarks/kernels/attention_lora.py --out "$OUT"            # H200, ≈ 3 min
+    python benchmarks/kernels/attention_lora.py --out "$OUT"            # H200, ≈ 4 min (budget 330 s)
     python benchmarks/kernels/attention_lora.py --smoke --out /tmp/al    # CPU, tiny shapes, < 1 min
 """
 
@@ -45,19 +48,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 SCALE = -1.0
-H3_FULL = dict(num_attention_heads=56, attention_head_dim=128, hidden_size=5376, ffn_dim=14336,
-               time_embed_dim=2688, norm_eps=1e-5, qk_norm_eps=1e-5, rope_freq_dim=16)
-H3_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=48, ffn_dim=96, time_embed_dim=24,
-                norm_eps=1e-5, qk_norm_eps=1e-5, rope_freq_dim=4)
-WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                eps=1e-6, rope_max_seq_len=1024)
-WAN_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32,
-                 freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64)
+H3_FULL = {"num_attention_heads": 56, "attention_head_dim": 128, "hidden_size": 5376, "ffn_dim": 14336,
+           "time_embed_dim": 2688, "norm_eps": 1e-5, "qk_norm_eps": 1e-5, "rope_freq_dim": 16}
+H3_SMOKE = {"num_attention_heads": 2, "attention_head_dim": 32, "hidden_size": 48, "ffn_dim": 96, "time_embed_dim": 24,
+            "norm_eps": 1e-5, "qk_norm_eps": 1e-5, "rope_freq_dim": 4}
+WAN_1_3B = {"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+            "cross_attn_norm": True, "eps": 1e-6, "rope_max_seq_len": 1024}
+WAN_SMOKE = {"num_attention_heads": 2, "attention_head_dim": 32, "in_channels": 16, "out_channels": 16, "text_dim": 32,
+             "freq_dim": 32, "ffn_dim": 128, "num_layers": 2, "rope_max_seq_len": 64}
 
 
 # --------------------------------------------------------------------------------------------------- timing
@@ -83,28 +86,61 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def interleaved(variants: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], run: Callable[[], Any],
-                timer: Timer, rounds: int, iters: int) -> dict[str, dict[str, Any]]:
-    """Time ``run`` under each variant, attaching/detaching around each measurement, rounds interleaved.
+def paired_abba(variants: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], run: Callable[[], Any],
+                timer: Timer, pairs: int, iters: int, deadline: float | None = None,
+                min_pairs: int = 3) -> dict[str, dict[str, Any]]:
+    """Time ``run`` under each variant against ``variants["base"]`` in ABBA rounds.
 
-    ``variants[name] = (attach, detach)``. Each variant is warmed once (JIT, allocator) before the rounds.
+    ``variants[name] = (attach, detach)``. Each variant is warmed once (JIT, allocator). Every round measures,
+    for each non-base variant in turn, base, variant, variant, base (attaching before and detaching after each
+    measurement, one untimed call after attaching); the paired ratio is ``(B₁ + B₂) / (A₁ + A₂)``, so a slow
+    drift of the machine cancels within the pair. Rounds stop early (after ``min_pairs``) past ``deadline``.
+
+    Returns:
+        Per variant: ``median_ms``, ``samples_ms``; for non-base variants also ``paired_ratios``,
+        ``median_paired_overhead_pct`` (the headline), its quartiles and ``pairs``.
     """
     names = list(variants)
-    for name in names:
+
+    def measure(name: str) -> float:
         attach, detach = variants[name]
         attach()
-        run()
-        detach()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            attach, detach = variants[name]
-            attach()
+        try:
             run()  # one untimed call after attaching
-            samples[name].append(timer(run, iters))
+            return timer(run, iters)
+        finally:
             detach()
-    return {n: {"median_ms": statistics.median(s), "samples_ms": s} for n, s in samples.items()}
+
+    for name in names:
+        measure(name)
+    others = [n for n in names if n != "base"]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in others}
+    for r in range(pairs):
+        if deadline is not None and r >= min_pairs and time.perf_counter() > deadline:
+            break
+        for name in others[r % len(others):] + others[:r % len(others)]:
+            a1, b1, b2, a2 = measure("base"), measure(name), measure(name), measure("base")
+            samples["base"] += [a1, a2]
+            samples[name] += [b1, b2]
+            ratios[name].append((b1 + b2) / (a1 + a2))
+    out: dict[str, dict[str, Any]] = {n: {"median_ms": statistics.median(s), "samples_ms": s} for n, s in samples.items()}
+    for name in others:
+        pct = sorted(100.0 * (q - 1.0) for q in ratios[name])
+        out[name].update({
+            "pairs": len(pct),
+            "paired_ratios": ratios[name],
+            "median_paired_overhead_pct": statistics.median(pct),
+            "paired_overhead_pct_quartiles": statistics.quantiles(pct, n=4) if len(pct) > 1 else pct * 3,
+            "median_paired_overhead_ms": statistics.median(samples["base"]) * statistics.median(pct) / 100.0,
+        })
+    out["base"]["median_paired_overhead_pct"] = 0.0
+    return out
+
+
+def timed_median(fn: Callable[[], Any], timer: Timer, rounds: int, iters: int = 20) -> float:
+    fn()
+    return statistics.median(timer(fn, iters) for _ in range(rounds))
 
 
 # --------------------------------------------------------------------------------------------------- adapters
@@ -159,7 +195,8 @@ def random_adapter(model: nn.Module, paths: list[str], rank: int, device: torch.
             a = torch.randn(rank, module.in_features, generator=g) / module.in_features**0.5
         b = torch.randn(module.out_features, rank, generator=g) * 0.05
         out[path] = (a, b)
-    return {p: (a.to(device), b.to(device)) for p, (a, b) in out.items()}
+    on_device: dict[int, torch.Tensor] = {}  # one device copy per A object, so a shared A stays shared
+    return {p: (on_device.setdefault(id(a), a.to(device)), b.to(device)) for p, (a, b) in out.items()}
 
 
 def attach_ours(model: nn.Module, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], device: torch.device,
@@ -208,79 +245,122 @@ def projection_errors(model: nn.Module, adapters: dict[str, tuple[torch.Tensor, 
 
 
 # --------------------------------------------------------------------------------------------------- sections
+UP_SWEEP = ((32, 256, 4), (16, 256, 4), (16, 512, 4), (16, 128, 2), (8, 256, 2), (64, 128, 4))
+DOWN_SWEEP = ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4))
+
+
 def section_kernels(device: torch.device, rows: int, rank: int, timer: Timer, rounds: int) -> dict[str, Any]:
     from worldfoundry.core.acceleration.lora import (
         lora_down_reference,
         lora_up_add_reference,
         split_bf16x3,
+        stack_down_groups,
     )
+    from worldfoundry.core.acceleration.lora.reference import padded_rank
     from worldfoundry.core.acceleration.lora.triton_kernels import (
         DownConfig,
         UpConfig,
+        kernel_configs,
         lora_down_triton,
         lora_up_add_triton,
     )
 
-    hidden, inner = (5376, 7168) if device.type == "cuda" else (48, 64)
+    cuda = device.type == "cuda"
+    hidden, inner = (5376, 7168) if cuda else (48, 64)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(device)
-    a = (torch.randn(rank, hidden, generator=g) / hidden**0.5).to(device)
+    x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(device)        # Q/K/V input
+    x_o = torch.randn(rows, inner, generator=g).to(torch.bfloat16).to(device)       # O input (attention output)
+    parts = [torch.randn(rank, hidden, generator=g) / hidden**0.5 for _ in range(3)]
+    a = parts[0].to(device)
     a3 = split_bf16x3(a)
-    base = torch.randn(rows, inner, generator=g).to(torch.bfloat16).to(device)
-    b = (torch.randn(inner, rank, generator=g) * 0.02).to(device)
+    (stacked, offsets), = stack_down_groups([(n, p) for n, p in zip("qkv", parts)])
+    stacked = stacked.to(device)
+    stacked3 = split_bf16x3(stacked)
+    a_o = (torch.randn(rank, inner, generator=g) / inner**0.5).to(device)
+    a_o3 = split_bf16x3(a_o)
+    base = torch.randn(rows, inner, generator=g).to(torch.bfloat16).to(device)     # Q/K/V outputs (7168 wide)
+    base_o = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(device)  # O output (5376 wide)
+    b = (torch.randn(rank, inner, generator=g) * 0.02).to(device).t()      # the adapter keeps Bᵀ contiguous
+    b_o = (torch.randn(rank, hidden, generator=g) * 0.02).to(device).t()
     t = lora_down_triton(x, a, a3)
     t64 = x.double() @ a.double().T
     bound = hidden * 2.0**-24 * (x.double().abs() @ a.double().abs().T)
-    y = lora_up_add_triton(base, t, b, SCALE)
-    y_ref = lora_up_add_reference(base, t, b, SCALE)
+    t_stacked = lora_down_triton(x, stacked, stacked3)
+    separate = [lora_down_triton(x, p.to(device), split_bf16x3(p.to(device))) for p in parts]
+    check_rows = min(rows, 4096)  # the reference up step emulates FMA in FP64: keep the check short
+    up_equal = {}
+    for scale in (SCALE, 0.37):
+        y = lora_up_add_triton(base[:check_rows], t[:check_rows], b, scale)
+        y_ref = lora_up_add_reference(base[:check_rows], t[:check_rows], b, scale)
+        up_equal[str(scale)] = float((y.view(torch.int16) == y_ref.view(torch.int16)).float().mean())
     res: dict[str, Any] = {
         "shapes": {"rows": rows, "hidden": hidden, "inner": inner, "rank": rank},
+        "configs": kernel_configs(),
         "down_within_fp32_bound": bool(((t.double() - t64).abs() <= bound).all()),
         "down_max_err_over_bound": float(((t.double() - t64).abs() / bound.clamp_min(1e-30)).max()),
-        "up_bitwise_equal_fraction_vs_reference": float((y == y_ref).float().mean()),
+        "down_stacked_qkv_bitwise_equal_separate": all(
+            torch.equal(t_stacked[:, offsets[n]:offsets[n] + rank], sep) for n, sep in zip("qkv", separate)),
+        "up_bitwise_equal_fraction_vs_reference": up_equal,
+        "up_check_rows": check_rows,
     }
-    if device.type != "cuda":
+    if not cuda:
         return res
-    down_bytes = x.numel() * 2
-    up_bytes = base.numel() * 2 * 2
-    fns = {
-        "down_triton": lambda: lora_down_triton(x, a, a3),
-        "down_reference": lambda: lora_down_reference(x, a),
-        "down_naive_x_float": lambda: x.float() @ a.T,
-        "up_triton": lambda: lora_up_add_triton(base, t, b, SCALE),
-        "up_reference": lambda: lora_up_add_reference(base, t, b, SCALE),
-        "up_naive": lambda: base + (SCALE * (t @ b.T)).to(base.dtype),
+    out = torch.empty_like(base)
+    out_o = torch.empty_like(base_o)
+    member_rows = [slice(offsets[n], offsets[n] + padded_rank(rank)) for n in "qkv"]
+    fns: dict[str, tuple[Callable[[], Any], int]] = {  # name -> (fn, bytes moved)
+        "down_rank8": (lambda: lora_down_triton(x, a, a3), x.numel() * 2),
+        "down_qkv_stacked_3x8": (lambda: lora_down_triton(x, stacked, stacked3), x.numel() * 2),
+        "down_qkv_separate_3x8": (lambda: [lora_down_triton(x, stacked[rows_of], stacked3[:, rows_of])
+                                           for rows_of in member_rows], 3 * x.numel() * 2),
+        "down_o_rank8": (lambda: lora_down_triton(x_o, a_o, a_o3), x_o.numel() * 2),
+        "down_reference": (lambda: lora_down_reference(x, a), x.numel() * 2),
+        "down_naive_x_float": (lambda: x.float() @ a.T, x.numel() * 2),
+        "up_7168": (lambda: lora_up_add_triton(base, t, b, SCALE), base.numel() * 4),
+        "up_5376": (lambda: lora_up_add_triton(base_o, t, b_o, SCALE), base_o.numel() * 4),
+        "copy_7168": (lambda: out.copy_(base), base.numel() * 4),
+        "copy_5376": (lambda: out_o.copy_(base_o), base_o.numel() * 4),
+        "up_naive": (lambda: base + (SCALE * (t @ b.T)).to(base.dtype), base.numel() * 4),
     }
     timings: dict[str, list[float]] = {}
-    for fn in fns.values():  # compile / warm up
+    for fn, _ in fns.values():  # compile / warm up
         fn()
     for _ in range(rounds):
-        for name, fn in fns.items():
+        for name, (fn, _) in fns.items():
             timings.setdefault(name, []).append(timer(fn, 20))
     res["timings_ms"] = {k: statistics.median(v) for k, v in timings.items()}
-    res["down_triton_GBps"] = down_bytes / res["timings_ms"]["down_triton"] / 1e6
-    res["up_triton_GBps"] = up_bytes / res["timings_ms"]["up_triton"] / 1e6
-    sweep: dict[str, float] = {}
-    for bm in (32, 64, 128):
-        for bk in (64, 128):
-            cfg = DownConfig(block_m=bm, block_k=bk)
+    res["GBps"] = {k: fns[k][1] / ms / 1e6 for k, ms in res["timings_ms"].items()}
+    ms = res["timings_ms"]
+    res["up_over_copy"] = {"7168": ms["up_7168"] / ms["copy_7168"], "5376": ms["up_5376"] / ms["copy_5376"]}
+    # what one H3 block's adapter costs in kernels alone: one Q/K/V down (shared A), one O down, four up steps
+    res["block_kernel_ms"] = ms["down_rank8"] + ms["down_o_rank8"] + 3 * ms["up_7168"] + ms["up_5376"]
+    res["block_copy_floor_ms"] = ms["copy_7168"] * 3 + ms["copy_5376"] + (x.numel() + x_o.numel()) * 2 / (
+        res["GBps"]["copy_7168"] * 1e6)
+    sweep: dict[str, Any] = {}
+    for bm, bn, warps in UP_SWEEP:
+        cfg_up = UpConfig(block_m=bm, block_n=bn, num_warps=warps)
+        for width, (bb, bt) in (("7168", (base, b)), ("5376", (base_o, b_o))):
+            key = f"up{width} bm={bm} bn={bn} w={warps}"
             try:
-                lora_down_triton(x, a, a3, config=cfg)
-                sweep[f"down bm={bm} bk={bk}"] = statistics.median(timer(lambda cfg=cfg: lora_down_triton(x, a, a3, config=cfg), 20)
-                                                                   for _ in range(rounds))
-            except Exception as exc:  # a configuration the compiler rejects is reported, not fatal
-                sweep[f"down bm={bm} bk={bk}"] = f"failed: {type(exc).__name__}"  # type: ignore[assignment]
-    for bm in (32, 64):
-        for bn in (64, 128, 256):
-            cfg_up = UpConfig(block_m=bm, block_n=bn)
+                sweep[key] = timed_median(lambda cfg_up=cfg_up, bb=bb, bt=bt: lora_up_add_triton(bb, t, bt, SCALE, config=cfg_up),
+                                          timer, rounds)
+            except Exception as exc:  # noqa: BLE001 - a configuration the compiler rejects is reported, not fatal
+                sweep[key] = f"failed: {type(exc).__name__}: {exc}"[:200]
+    for bm, bk, warps, stages in DOWN_SWEEP:
+        cfg = DownConfig(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
+        for name, (aa, aa3) in (("rank8", (a, a3)), ("qkv_stacked", (stacked, stacked3))):
+            key = f"down_{name} bm={bm} bk={bk} w={warps} s={stages}"
             try:
-                lora_up_add_triton(base, t, b, SCALE, config=cfg_up)
-                sweep[f"up bm={bm} bn={bn}"] = statistics.median(
-                    timer(lambda cfg_up=cfg_up: lora_up_add_triton(base, t, b, SCALE, config=cfg_up), 20)
-                    for _ in range(rounds))
-            except Exception as exc:
-                sweep[f"up bm={bm} bn={bn}"] = f"failed: {type(exc).__name__}"  # type: ignore[assignment]
+                sweep[key] = timed_median(lambda cfg=cfg, aa=aa, aa3=aa3: lora_down_triton(x, aa, aa3, config=cfg), timer, rounds)
+            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                sweep[key] = f"failed: {type(exc).__name__}: {exc}"[:200]
     res["config_sweep_ms"] = sweep
+    for width in ("7168", "5376"):
+        timed = {k: v for k, v in sweep.items() if k.startswith(f"up{width} ") and isinstance(v, float)}
+        if timed:
+            best = min(timed, key=timed.__getitem__)
+            res[f"best_up{width}"] = {"config": best, "ms": timed[best],
+                                      "GBps": (base if width == "7168" else base_o).numel() * 4 / timed[best] / 1e6}
     return res
 
 
@@ -308,7 +388,7 @@ def _h3_inputs(cfg: dict[str, Any], rope: nn.Module, rows: int, device: torch.de
     return hidden, temb.to(dtype) if dtype == torch.float64 else temb, adaln, (cos, sin)
 
 
-def section_h3_block(device: torch.device, rows: int, error_rows: int, rank: int, timer: Timer, rounds: int,
+def section_h3_block(device: torch.device, rows: int, error_rows: int, rank: int, timer: Timer, pairs: int,
                      iters: int, smoke: bool) -> dict[str, Any]:
     cfg = H3_SMOKE if smoke else H3_FULL
     block, rope = _h3_block(cfg, device, seed=0)
@@ -331,11 +411,15 @@ def section_h3_block(device: torch.device, rows: int, error_rows: int, rank: int
         "naive_fp32": (lambda: state.update(r=wrap_all(block, adapters, "naive_fp32")), lambda: state.pop("r").undo()),
         "peft_bf16": (lambda: state.update(r=wrap_all(block, adapters, "peft_bf16")), lambda: state.pop("r").undo()),
     }
-    timing = interleaved(variants, run, timer, rounds, iters)
-    base_ms = timing["base"]["median_ms"]
+    timing = paired_abba(variants, run, timer, pairs, iters)
     for t in timing.values():
-        t["overhead_ms"] = t["median_ms"] - base_ms
-        t["overhead_pct"] = 100.0 * t["overhead_ms"] / base_ms
+        t["overhead_pct"] = t["median_paired_overhead_pct"]
+
+    # what ran in one forward with the adapter: kernels (no reference fallback) and the Q/K/V hand-over
+    handle = attach_ours(block, adapters, device, group)
+    run()
+    executed = handle.stats.to_json()
+    handle.deactivate()
 
     # per projection accuracy at full rows: capture Q's and O's inputs from a base forward
     captured: dict[str, torch.Tensor] = {}
@@ -365,8 +449,9 @@ def section_h3_block(device: torch.device, rows: int, error_rows: int, rank: int
     del block64
     block_errors = {name: rel_l2(out, ref) for name, out in outputs.items()}
     return {
-        "config": cfg, "rows": rows, "error_rows": error_rows, "rank": rank, "scale": SCALE,
-        "timing": timing, "projection_errors": per_projection, "block_output_rel_l2_vs_float64": block_errors,
+        "config": cfg, "rows": rows, "error_rows": error_rows, "rank": rank, "scale": SCALE, "pairs": pairs,
+        "iters_per_sample": iters, "timing": timing, "executed_per_forward": executed,
+        "projection_errors": per_projection, "block_output_rel_l2_vs_float64": block_errors,
         "anchor": {"block_ms": 37.0, "naive_overhead_ms": 2.29, "naive_overhead_pct": 6.2, "goal_pct": 2.0},
     }
 
@@ -392,7 +477,8 @@ def _wan_inputs(cfg: dict[str, Any], frames: int, h: int, w: int, text: int, dev
     }
 
 
-def section_wan(device: torch.device, rank: int, timer: Timer, rounds: int, smoke: bool) -> dict[str, Any]:
+def section_wan(device: torch.device, rank: int, timer: Timer, pairs: int, smoke: bool,
+                deadline: float | None = None) -> dict[str, Any]:
     from worldfoundry_attention_lora import make_prepare
     from worldfoundry_attention_lora.source import state_dict_source
 
@@ -429,10 +515,9 @@ def section_wan(device: torch.device, rank: int, timer: Timer, rounds: int, smok
         "naive_fp32": (lambda: holder.update(r=wrap_all(model, adapters, "naive_fp32")), lambda: holder.pop("r").undo()),
         "peft_bf16": (lambda: holder.update(r=wrap_all(model, adapters, "peft_bf16")), lambda: holder.pop("r").undo()),
     }
-    timing = interleaved(variants, run, timer, rounds, 1)
-    base_ms = timing["base"]["median_ms"]
+    timing = paired_abba(variants, run, timer, pairs, 1, deadline=deadline)
     for t in timing.values():
-        t["overhead_pct"] = 100.0 * (t["median_ms"] - base_ms) / base_ms
+        t["overhead_pct"] = t["median_paired_overhead_pct"]
 
     # per projection errors at W81 (first and last block)
     probe = [f"blocks.{i}.{p}" for i in (0, cfg["num_layers"] - 1) for p in ("attn1.to_q", "attn2.to_k", "attn1.to_out.0")]
@@ -443,8 +528,9 @@ def section_wan(device: torch.device, rank: int, timer: Timer, rounds: int, smok
     for h in hooks:
         h.remove()
     session = install_diffusion_accelerations(model, spec, policy, registry=registry)
-    per_projection = projection_errors(model, adapters, captured, lambda p, x: model.get_submodule(p)(x))
+    run()  # one forward: what ran (kernels, fallbacks, Q/K/V and K/V hand-overs)
     kernels = session.execution_report()["plugins"]["attention_lora"]["model"]["kernels"]
+    per_projection = projection_errors(model, adapters, captured, lambda p, x: model.get_submodule(p)(x))
     session.uninstall()
     captured.clear()
 
@@ -471,8 +557,9 @@ def section_wan(device: torch.device, rank: int, timer: Timer, rounds: int, smok
     return {
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
         "w81_latent": list(w81[:3]), "w81_tokens": tokens(w81), "w17_tokens": tokens(w17), "rank": rank,
-        "adapted_projections": len(paths), "timing": timing, "projection_errors_w81": per_projection,
-        "forward_rel_l2_vs_float64_w17": forward_errors, "ours_kernel_counts": kernels,
+        "adapted_projections": len(paths), "pairs_requested": pairs, "timing": timing,
+        "projection_errors_w81": per_projection, "forward_rel_l2_vs_float64_w17": forward_errors,
+        "ours_executed_per_forward": kernels,
     }
 
 
@@ -488,8 +575,8 @@ def provenance(device: torch.device) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
         root = Path(__file__).resolve().parents[2]
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10, check=False)
         info["git_revision"] = rev.stdout.strip() or None
         info["git_dirty"] = bool(dirty.stdout.strip()) if rev.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
@@ -501,10 +588,14 @@ def summary_table(result: dict[str, Any]) -> str:
     lines = ["", "attention_lora — rank {} scale {}".format(result["args"]["rank"], SCALE)]
     h3 = result.get("h3_block")
     if h3:
-        lines.append(f"H3 block, {h3['rows']} rows, bf16          median ms   overhead")
+        lines.append(f"H3 block, {h3['rows']} rows, bf16, {h3['pairs']} ABBA pairs   median ms   "
+                     "median paired overhead [quartiles]")
         for name, t in h3["timing"].items():
-            lines.append(f"  {name:<32} {t['median_ms']:9.3f}   {t['overhead_pct']:+6.2f}%")
+            q = t.get("paired_overhead_pct_quartiles")
+            spread = f"  [{q[0]:+.2f}, {q[2]:+.2f}]" if q else ""
+            lines.append(f"  {name:<32} {t['median_ms']:9.3f}   {t['overhead_pct']:+6.2f}%{spread}")
         lines.append("  anchor: block 37.0 ms, naive +2.29 ms (+6.2%), goal <= +2%")
+        lines.append(f"  ours per forward: {h3['executed_per_forward']}")
         q = h3["projection_errors"].get("attn.to_q", {})
         if q:
             lines.append(f"  Q projection error / update (vs fp64): ours {q['ours_rel_to_update']:.2e}  "
@@ -515,15 +606,27 @@ def summary_table(result: dict[str, Any]) -> str:
         lines.append(f"  block output rel L2 vs fp64 ({h3['error_rows']} rows): " +
                      "  ".join(f"{k} {v:.2e}" for k, v in e.items()))
     k = result.get("kernels", {})
+    if k:
+        lines.append(f"kernels: down within fp32 bound {k['down_within_fp32_bound']}, stacked Q/K/V bitwise = separate "
+                     f"{k['down_stacked_qkv_bitwise_equal_separate']}, up bitwise = reference "
+                     f"{k['up_bitwise_equal_fraction_vs_reference']}")
     if "timings_ms" in k:
-        lines.append(f"kernels: down {k['timings_ms']['down_triton']:.3f} ms ({k['down_triton_GBps']:.0f} GB/s)  "
-                     f"up {k['timings_ms']['up_triton']:.3f} ms ({k['up_triton_GBps']:.0f} GB/s)  "
-                     f"down within fp32 bound: {k['down_within_fp32_bound']}")
+        for name, ms in k["timings_ms"].items():
+            lines.append(f"  {name:<28} {ms:8.4f} ms  {k['GBps'][name]:7.0f} GB/s")
+        lines.append(f"  up / copy of the same bytes: {k['up_over_copy']}")
+        lines.append(f"  one H3 block's adapter kernels: {k['block_kernel_ms']:.3f} ms "
+                     f"(copy floor {k['block_copy_floor_ms']:.3f} ms)")
+        for width in ("7168", "5376"):
+            best = k.get(f"best_up{width}")
+            if best:
+                lines.append(f"  best swept up{width}: {best['config']} {best['ms']:.4f} ms ({best['GBps']:.0f} GB/s)")
     wan = result.get("wan")
     if wan:
-        lines.append(f"Wan2.1-1.3B W81 forward ({wan['w81_tokens']} tokens, {wan['adapted_projections']} projections)")
+        lines.append(f"Wan2.1-1.3B W81 forward ({wan['w81_tokens']} tokens, {wan['adapted_projections']} projections, "
+                     f"{wan['timing']['ours'].get('pairs')} ABBA pairs)")
         for name, t in wan["timing"].items():
             lines.append(f"  {name:<32} {t['median_ms']:9.1f}   {t['overhead_pct']:+6.2f}%")
+        lines.append(f"  ours per forward: {wan['ours_executed_per_forward']}")
         lines.append(f"  forward rel L2 vs fp64 at W17 ({wan['w17_tokens']} tokens): " +
                      "  ".join(f"{k} {v:.2e}" for k, v in wan["forward_rel_l2_vs_float64_w17"].items()))
         errs = wan["projection_errors_w81"]
@@ -543,14 +646,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--error-rows", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="kernel timing rounds (median)")
+    parser.add_argument("--pairs", type=int, default=11, help="ABBA pairs per variant, H3 block")
+    parser.add_argument("--iters", type=int, default=5, help="block forwards per H3 timing sample")
+    parser.add_argument("--wan-pairs", type=int, default=5, help="ABBA pairs per variant, Wan W81 (at least 3)")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="wall-clock budget: Wan pairs stop early (after 3) once it is reached")
     parser.add_argument("--skip-wan", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         device = torch.device("cpu")
-        args.rows, args.error_rows, args.rounds, args.iters = 64, 32, 3, 1
+        args.rows, args.error_rows, args.rounds, args.iters, args.pairs, args.wan_pairs = 64, 32, 3, 1, 3, 3
     else:
         if not torch.cuda.is_available():
             parser.error("needs CUDA (use --smoke on the CPU)")
@@ -558,26 +665,34 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device)
     result: dict[str, Any] = {"args": vars(args), "provenance": provenance(device)}
     t0 = time.perf_counter()
+    # the float64 W17 reference after the Wan timing takes about 40 s on the H200: stop the pairs before that
+    wan_deadline = t0 + args.budget_s - (5.0 if args.smoke else 60.0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     if not args.skip_kernels and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         sections.append(("kernels", lambda: section_kernels(device, args.rows, args.rank, timer, args.rounds)))
     sections.append(("h3_block", lambda: section_h3_block(device, args.rows, args.error_rows, args.rank, timer,
-                                                          args.rounds, args.iters, args.smoke)))
+                                                          args.pairs, args.iters, args.smoke)))
     if not args.skip_wan:
-        sections.append(("wan", lambda: section_wan(device, args.rank, timer, max(3, args.rounds - 2), args.smoke)))
+        sections.append(("wan", lambda: section_wan(device, args.rank, timer, max(3, args.wan_pairs), args.smoke,
+                                                    deadline=wan_deadline)))
     for name, section in sections:
+        started = time.perf_counter()
         try:  # one failing section must not lose the others' results
             result[name] = section()
         except Exception as exc:  # noqa: BLE001 - reported in the JSON and on stderr
             traceback.print_exc()
             result.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        result.setdefault("section_s", {})[name] = time.perf_counter() - started
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result["elapsed_s"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_lora.json").write_text(json.dumps(result, indent=2, default=str))
-    print(summary_table(result))
+        result["elapsed_s"] = time.perf_counter() - t0
+        (out / "attention_lora.json").write_text(json.dumps(result, indent=2, default=str))  # after every section
+    try:
+        print(summary_table(result))
+    except Exception as exc:  # noqa: BLE001 - the JSON is already written
+        print(f"summary failed ({type(exc).__name__}: {exc}); see the JSON")
     for name, error in result.get("errors", {}).items():
         print(f"section {name} failed: {error}")
     print(f"\nfull results: {out / 'attention_lora.json'}  ({result['elapsed_s']:.0f} s)")

@@ -18,6 +18,12 @@ from worldfoundry.base_models.diffusion_model.pipeline import (
 RANK = 4
 
 
+def _shared_down(record: dict) -> dict[str, int]:
+    """The shared-down counters of one request's attention_lora record."""
+    prefix = "shared_down:"
+    return {k.removeprefix(prefix): v for k, v in record["counters"].items() if k.startswith(prefix)}
+
+
 def test_h3_pipeline_with_the_context_manager(tools) -> None:
     with NativeDiffusionPipeline.from_pretrained("tiny-minimax-h3") as pipe:
         model = pipe.components.denoiser.model
@@ -46,7 +52,10 @@ def test_h3_pipeline_with_the_context_manager(tools) -> None:
     assert identity["rank"] == RANK and identity["scale"] == -1.0
     assert set(record["modules"]) == set(adapter.expected)
     calls = {kinds["fp32_adapter"] for kinds in record["modules"].values()}
-    assert len(calls) == 1 and calls.pop() >= 3, "every adapted projection runs once per model call"
+    assert len(calls) == 1 and (n_calls := calls.pop()) >= 3, "every adapted projection runs once per model call"
+    # per block and model call: to_q computes the Q/K/V down step, to_k and to_v take it over
+    blocks = len(adapter.expected) // 4
+    assert _shared_down(record) == {"group_computed": blocks * n_calls, "handed_over": 2 * blocks * n_calls}
     assert adapted.receipts["installed"]["plugins"][0]["options"]["scope"] == "dit_only"
     assert "attention_lora" not in base.receipts["plugins"] and "attention_lora" not in after.receipts["plugins"]
 
@@ -73,6 +82,9 @@ def test_wan_pipeline_with_the_spec(tools, tmp_path) -> None:
     assert record["notes"]["attention_adapter"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     # two steps × two CFG branches
     assert all(kinds == {"fp32_adapter": 4} for kinds in record["modules"].values())
+    # per block and forward: attn1 Q/K/V and attn2 K/V each one group step, three hand-overs in all
+    blocks = len(adapter.expected) // 8
+    assert _shared_down(record) == {"group_computed": 2 * blocks * 4, "handed_over": 3 * blocks * 4}
     assert set(record["modules"]) == set(adapter.expected)
     installed = result.receipts["installed"]["plugins"][0]
     assert installed["options"]["path"] == str(path) and installed["options"]["precision"] == "fp32"
@@ -100,5 +112,7 @@ def test_h3_under_resident_blocks_matches_resident_model(tools, tmp_path) -> Non
     assert torch.equal(results["resident"].latents, results["offloaded"].latents)
     record = results["offloaded"].receipts["plugins"]["attention_lora"]["model"]
     assert set(record["modules"]) == set(adapter.expected)
+    resident = results["resident"].receipts["plugins"]["attention_lora"]["model"]
+    assert _shared_down(record) == _shared_down(resident) and _shared_down(record)["handed_over"] > 0
     offloaded = results["offloaded"].receipts["plugins"]["resident_blocks"]["model"]
     assert offloaded["counters"]["streamed"] > 0, "the blocks really ran from the slots"

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import (
     AttentionLoraPlan,
@@ -44,6 +44,10 @@ class _LedgerStats(LoraKernelStats):
         self._ledger.count(f"kernel_{impl}")
         if reason is not None:
             self._ledger.count(f"reference_fallback:{reason}")
+
+    def record_share(self, event: str, n: int = 1) -> None:
+        super().record_share(event, n)
+        self._ledger.count(f"shared_down:{event}", n)
 
 
 class AttentionLoraHandle(RecordedHandle):
@@ -141,7 +145,7 @@ def activate_attention_lora(model: nn.Module, plan: AttentionLoraPlan, scale: fl
     projections: dict[str, LoraProjection] = {}
     for members in groups.values():
         for stacked, offsets in stack_down_groups(members):
-            down = SharedDownProjection(stacked, consumers=len(offsets), device=device)
+            down = SharedDownProjection(stacked, device=device)
             downs.append(down)
             for path, offset in offsets.items():
                 projections[path] = LoraProjection(down, offset, b_by_path[path], scale, device)

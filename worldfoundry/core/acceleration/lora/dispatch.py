@@ -31,7 +31,8 @@ REFERENCE: str = "torch_reference"
 
 
 class LoraKernelStats:
-    """Counts of kernel and reference calls and of the reasons the reference was used (thread-safe).
+    """Counts of kernel and reference calls, of the reasons the reference was used, and of shared down steps
+    (thread-safe).
 
     Owned by whoever dispatches (a plugin handle, a benchmark); never global.
     """
@@ -41,6 +42,7 @@ class LoraKernelStats:
         self.triton_calls = 0
         self.reference_calls = 0
         self.fallback_reasons: dict[str, int] = {}
+        self.shared_down: dict[str, int] = {}
 
     def record(self, impl: str, reason: str | None) -> None:
         with self._lock:
@@ -51,12 +53,18 @@ class LoraKernelStats:
                 if reason is not None:
                     self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
 
+    def record_share(self, event: str, n: int = 1) -> None:
+        """Count a shared-down event (see :mod:`~.adapter`: ``group_computed``, ``handed_over``, ...)."""
+        with self._lock:
+            self.shared_down[event] = self.shared_down.get(event, 0) + n
+
     def to_json(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "triton_calls": self.triton_calls,
                 "reference_calls": self.reference_calls,
                 "fallback_reasons": dict(self.fallback_reasons),
+                "shared_down": dict(self.shared_down),
             }
 
 

@@ -10,10 +10,23 @@ dtype, once. The base weights are never combined with the adapter.
 
 The work is split in two steps so that projections reading the same input can share the first one:
 
-* :func:`lora_down_reference` — ``t = float(x) @ Aᵀ`` (``A`` may hold several adapters stacked by rows);
-* :func:`lora_up_add_reference` — ``y = round(float(base) + scale * t[:, offset:offset + rank] @ Bᵀ)``.
+* :func:`lora_down_reference` — ``t = float(x) @ Aᵀ`` (``A`` may hold several adapters stacked by rows). ``A`` is
+  processed in tiles of :data:`RANK_TILE` rows (zero-padded), one GEMM per tile, so a column of ``t`` depends only
+  on the tile holding its row of ``A``: an adapter stacked at a tile boundary gets bitwise the columns it would
+  get alone (the Triton kernel is built the same way).
+* :func:`lora_up_add_reference` — ``y = round(float(base) + scale * t[:, offset:offset + rank] @ Bᵀ)`` in a fixed
+  order of FP32 operations (below), which the Triton kernel reproduces bitwise.
 
-Rows are processed in chunks so the FP32 temporaries stay below ``chunk_bytes`` whatever the sequence length.
+Order of the up step in FP32, each step rounded once (``fma`` is the IEEE fused multiply-add, reproduced bitwise
+in torch by :func:`~.exact_fma.fma_fp32`)::
+
+    acc = t[:, 0] * B[:, 0]
+    acc = fma(t[:, j], B[:, j], acc)      for j = 1 .. rank - 1
+    y   = round_to_activation_dtype( fma(acc, scale, float(base)) )
+
+(FP64 activations compute the same order in FP64 with the multiply and add of each step rounded separately.)
+
+Rows are processed in chunks so the temporaries stay below ``chunk_bytes`` whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -22,8 +35,17 @@ from typing import Final
 
 import torch
 
+from worldfoundry.core.acceleration.lora.exact_fma import fma_fp32
+
 #: Upper bound of the FP32 temporaries one reference call allocates per chunk of rows (64 MiB).
 DEFAULT_CHUNK_BYTES: Final = 64 << 20
+#: Rows of ``A`` per GEMM of the down step; stacked adapters start at multiples of it.
+RANK_TILE: Final = 16
+
+
+def padded_rank(rank: int) -> int:
+    """``rank`` rounded up to whole :data:`RANK_TILE` tiles (the rows an adapter occupies in a stacked ``A``)."""
+    return -(-int(rank) // RANK_TILE) * RANK_TILE
 
 
 def compute_dtype_for(activation_dtype: torch.dtype) -> torch.dtype:
@@ -46,7 +68,11 @@ def rows_per_chunk(width: int, itemsize: int = 4, chunk_bytes: int = DEFAULT_CHU
 
 
 def lora_down_reference(x2d: torch.Tensor, a: torch.Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """``t = float(x) @ Aᵀ``, chunked over rows.
+    """``t = float(x) @ Aᵀ``, chunked over rows, one GEMM per :data:`RANK_TILE` rows of ``A``.
+
+    Each tile of ``A`` is copied into a fresh zero-padded ``(RANK_TILE, in_features)`` tensor, so the GEMM that
+    produces a column of ``t`` has the same shapes and operands whether ``A`` is one adapter or a stack of
+    adapters aligned to tiles (see :func:`~.adapter.stack_down_groups`).
 
     Args:
         x2d: activations ``(rows, in_features)`` in any floating dtype.
@@ -62,19 +88,28 @@ def lora_down_reference(x2d: torch.Tensor, a: torch.Tensor, *, chunk_bytes: int 
     if x2d.dim() != 2 or a.dim() != 2 or x2d.shape[1] != a.shape[1]:
         raise ValueError(f"lora_down: x {tuple(x2d.shape)} and A {tuple(a.shape)} do not match")
     dtype = compute_dtype_for(x2d.dtype)
-    a = a.to(device=x2d.device, dtype=dtype)
+    rank, features = a.shape
+    tiles = []
+    for first in range(0, rank, RANK_TILE):
+        tile = torch.zeros((RANK_TILE, features), dtype=dtype, device=x2d.device)
+        part = a[first:first + RANK_TILE]
+        tile[:part.shape[0]] = part.to(device=x2d.device, dtype=dtype)
+        tiles.append((first, part.shape[0], tile))
     rows = x2d.shape[0]
-    out = torch.empty((rows, a.shape[0]), dtype=dtype, device=x2d.device)
-    step = rows_per_chunk(x2d.shape[1], torch.finfo(dtype).bits // 8, chunk_bytes)
+    out = torch.empty((rows, rank), dtype=dtype, device=x2d.device)
+    step = rows_per_chunk(features, torch.finfo(dtype).bits // 8, chunk_bytes)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        torch.matmul(x2d[start:stop].to(dtype), a.t(), out=out[start:stop])
+        xc = x2d[start:stop].to(dtype)
+        for first, count, tile in tiles:
+            out[start:stop, first:first + count] = torch.matmul(xc, tile.t())[:, :count]
     return out
 
 
 def lora_up_add_reference(base2d: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, *,
                           offset: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """``y = round(float(base) + scale * t[:, offset:offset + rank] @ Bᵀ)``, chunked over rows.
+    """``y = round(float(base) + (t[:, offset:offset + rank] @ Bᵀ) * scale)`` in the order given in the module
+    docstring, chunked over rows (every row is computed alone, so chunking never changes a bit).
 
     Args:
         base2d: the base projection output ``(rows, out_features)``; its dtype is the result dtype.
@@ -101,15 +136,23 @@ def lora_up_add_reference(base2d: torch.Tensor, t: torch.Tensor, b: torch.Tensor
     t = t[:, offset:offset + rank]
     rows = base2d.shape[0]
     out = torch.empty_like(base2d)
-    # two FP32 temporaries of the chunk's width: float(base) and the product
-    step = rows_per_chunk(2 * base2d.shape[1], torch.finfo(dtype).bits // 8, chunk_bytes)
+    scale_c = torch.tensor(float(scale), dtype=dtype, device=base2d.device)  # FP32 like the kernel's argument
+    fma = fma_fp32 if dtype == torch.float32 else _multiply_add
+    # about a dozen FP64 temporaries of the chunk's width inside fma_fp32
+    step = rows_per_chunk(12 * base2d.shape[1], 8, chunk_bytes)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        delta = torch.matmul(t[start:stop], b.t())
-        delta.mul_(scale)
-        delta.add_(base2d[start:stop].to(dtype))
-        out[start:stop] = delta.to(base2d.dtype)
+        tc = t[start:stop]
+        acc = tc[:, 0:1] * b[:, 0]
+        for j in range(1, rank):
+            acc = fma(tc[:, j:j + 1], b[:, j], acc)
+        out[start:stop] = fma(acc, scale_c, base2d[start:stop].to(dtype)).to(base2d.dtype)
     return out
+
+
+def _multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` with two roundings (the FP64 path of the reference; no kernel computes FP64)."""
+    return a * b + c
 
 
 def lora_linear_reference(x: torch.Tensor, base_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
