@@ -1,6 +1,7 @@
 """Timing one block: compute time c and host-to-device transfer time d (device events, medians).
 
-Both functions run 3 warm-ups and 10 timed samples by default and report the median. On CUDA every sample
+Both functions run 3 warm-ups and 10 timed samples by default and report the median. On CUDA the compute
+timing first keeps the device busy for :data:`SETTLE_SECONDS` (untimed), so samples see working clocks. On CUDA every sample
 is bracketed by CUDA events (no host synchronisation between samples; one at the end). On the CPU
 (emulated mode) ``time.perf_counter`` is used and the result is marked emulated by the caller.
 
@@ -70,6 +71,8 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
     _check_counts(warmup, samples)
     device = torch.device(device)
     with torch.no_grad():
+        if device.type == "cuda":
+            _settle_clocks(block, make_inputs, device)
         for _ in range(warmup):
             block(**make_inputs())
         if device.type == "cuda":
@@ -91,6 +94,20 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
             block(**inputs)
             values.append((time.perf_counter() - t0) * 1000.0)
         return TimingSamples(tuple(values), warmup, "perf_counter")
+
+
+#: Seconds of back-to-back block calls before the warm-ups, so the GPU runs at its working clocks.
+SETTLE_SECONDS = 0.3
+
+
+def _settle_clocks(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]], device: torch.device,
+                   seconds: float = SETTLE_SECONDS) -> None:
+    """Keep the device busy for ``seconds`` (an idle GPU clocks down; a one-block sample right after loading
+    would measure the clock ramp, not the block). Nothing is timed or kept."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        block(**make_inputs())
+        torch.cuda.synchronize(device)
 
 
 def time_block_transfer(storage: HostBlockStorage, *, device: torch.device, warmup: int = DEFAULT_WARMUP,
