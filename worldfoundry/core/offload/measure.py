@@ -6,7 +6,8 @@ is bracketed by CUDA events (no host synchronisation between samples; one at the
 (emulated mode) ``time.perf_counter`` is used and the result is marked emulated by the caller.
 
 Compute samples call ``make_inputs()`` before the start event of each sample, so resetting the inputs
-(cloning the hidden states) is not part of the timed region.
+(cloning the hidden states) is not part of the timed region. A compute sample is the mean of a few
+back-to-back calls, the way blocks follow each other in a forward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from worldfoundry.core.offload.streams import backend_for
 
 DEFAULT_WARMUP = 3
 DEFAULT_SAMPLES = 10
+#: Back-to-back block calls per compute sample (see :func:`time_block_compute`).
+DEFAULT_CALLS_PER_SAMPLE = 4
 
 
 @dataclass(frozen=True)
@@ -56,20 +59,30 @@ def _check_counts(warmup: int, samples: int) -> None:
 
 
 def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]], *, device: torch.device,
-                       warmup: int = DEFAULT_WARMUP, samples: int = DEFAULT_SAMPLES) -> TimingSamples:
-    """Median forward time of ``block(**make_inputs())``.
+                       warmup: int = DEFAULT_WARMUP, samples: int = DEFAULT_SAMPLES,
+                       calls_per_sample: int = DEFAULT_CALLS_PER_SAMPLE) -> TimingSamples:
+    """Median forward time of ``block(**make_inputs())``, as the block runs inside a model forward.
+
+    Each sample times ``calls_per_sample`` back-to-back calls (inputs made beforehand, outside the timed
+    region) and reports their mean. Inside a model, blocks follow each other without a gap, so the launch
+    ramp and the drain of the GPU queue are paid once per forward, not once per block; a sample of one
+    isolated call would add them to every block (on a launch-bound workload that overstates c by half).
 
     Args:
         block: the block, with its weights on ``device``.
         make_inputs: returns fresh keyword inputs (called outside the timed region).
         device: where the block runs.
-        warmup / samples: untimed and timed calls.
+        warmup / samples: untimed calls and timed samples.
+        calls_per_sample: block calls per timed sample (the sample is their mean).
 
     Returns:
-        The samples (milliseconds).
+        The samples (milliseconds per call).
     """
     _check_counts(warmup, samples)
+    if calls_per_sample < 1:
+        raise ValueError(f"calls_per_sample must be >= 1, got {calls_per_sample}")
     device = torch.device(device)
+    k = calls_per_sample
     with torch.no_grad():
         if device.type == "cuda":
             _settle_clocks(block, make_inputs, device)
@@ -79,20 +92,23 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
             pairs = []
             stream = torch.cuda.current_stream(device)
             for _ in range(samples):
-                inputs = make_inputs()
+                batch = [make_inputs() for _ in range(k)]
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-                block(**inputs)
+                for inputs in batch:
+                    block(**inputs)
                 end.record(stream)
                 pairs.append((start, end))
+                del batch
             torch.cuda.synchronize(device)
-            return TimingSamples(tuple(s.elapsed_time(e) for s, e in pairs), warmup, "cuda_events")
+            return TimingSamples(tuple(s.elapsed_time(e) / k for s, e in pairs), warmup, "cuda_events")
         values = []
         for _ in range(samples):
-            inputs = make_inputs()
+            batch = [make_inputs() for _ in range(k)]
             t0 = time.perf_counter()
-            block(**inputs)
-            values.append((time.perf_counter() - t0) * 1000.0)
+            for inputs in batch:
+                block(**inputs)
+            values.append((time.perf_counter() - t0) * 1000.0 / k)
         return TimingSamples(tuple(values), warmup, "perf_counter")
 
 
