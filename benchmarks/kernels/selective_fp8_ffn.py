@@ -40,6 +40,8 @@ from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import (
     triton_gelu_quantize_rowwise_fp8,
 )
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import (
+    ACTIVATION_GELU_TANH,
+    ACTIVATION_NONE,
     TRITON_AVAILABLE,
     interpreter_enabled,
     launch_config,
@@ -55,6 +57,9 @@ from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 
 INNER, DIM = 8960, 1536
+#: Kernel-only budget of the fused GELU-quant kernel at 32,760 x 8,960 (issue #7: fused kernel + the 0.68 ms
+#: ``_scaled_mm`` within dense / 1.3 = 1.11 ms).
+GELU_QUANT_TARGET_MS = 0.40
 
 
 def kernels_runnable(device: torch.device) -> str | None:
@@ -138,6 +143,7 @@ def gelu_kernel_check(device: torch.device, smoke: bool) -> dict[str, Any]:
         "min_activation_equal_fraction": min(c["activation_equal_fraction"] for c in cases),
         "max_activation_ulp": max(c["activation_max_ulp"] for c in cases),
         "max_error_over_bound_kernel": max(c["max_error_over_bound_kernel"] for c in cases),
+        "activation_within_bound": all(c["max_error_over_bound_kernel"] <= 1.0 for c in cases),
         "ulp_note": "bfloat16 ulps between the kernel's and torch's activation (values near zero span many ulps); "
                     "error/bound <= 1 means within 2**-8*|gelu| + 2**-20*|x| of the float64 formula",
     }
@@ -242,14 +248,16 @@ def kernel_sweep(device: torch.device, args: argparse.Namespace) -> dict[str, An
     m = args.tokens
     g = torch.Generator(device=device).manual_seed(2)
     cases = {
-        "quant K=1536": (1536, False, [(1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16)]),
-        "quant K=8960": (8960, False, [(1, 4), (1, 8), (1, 16)]),
-        "GELU-quant K=8960": (8960, True, [(1, 4), (1, 8), (1, 16), (2, 16)]),
+        "quant K=1536": (1536, False, [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8)]),
+        "quant K=8960": (8960, False, [(1, 2), (1, 4), (1, 8), (2, 8)]),
+        # rows per program x warps around the default (1 row, 8 warps: ~35 elements per thread)
+        "GELU-quant K=8960": (8960, True, [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]),
+        "GELU-quant K=1536": (1536, True, [(2, 4), (4, 4), (4, 8), (8, 8)]),
     }
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"gelu_quant_target_ms": GELU_QUANT_TARGET_MS}
     for label, (k, gelu, settings) in cases.items():
-        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-        default = launch_config(k)
+        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16) * 2
+        default = launch_config(k, ACTIVATION_GELU_TANH if gelu else ACTIVATION_NONE)
         rows = []
         for block_m, warps in settings:
             cfg = {"BLOCK_M": block_m, "num_warps": warps}
@@ -259,9 +267,12 @@ def kernel_sweep(device: torch.device, args: argparse.Namespace) -> dict[str, An
                 fn = (lambda cfg=cfg, x=x: triton_quantize_rowwise_fp8(x, config=cfg))
             try:
                 ms = graph_ms(fn)
-                rows.append({"BLOCK_M": block_m, "num_warps": warps, "ms": ms,
-                             "gb_per_s": m * k * 3 / (ms * 1e-3) / 1e9,
-                             "default": block_m == default["BLOCK_M"] and warps == default["num_warps"]})
+                row = {"BLOCK_M": block_m, "num_warps": warps, "ms": ms,
+                       "gb_per_s": m * k * 3 / (ms * 1e-3) / 1e9,
+                       "default": block_m == default["BLOCK_M"] and warps == default["num_warps"]}
+                if gelu and k == INNER:
+                    row["meets_target"] = ms <= GELU_QUANT_TARGET_MS * m / 32760
+                rows.append(row)
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
                 rows.append({"BLOCK_M": block_m, "num_warps": warps, "error": f"{type(exc).__name__}: {exc}"})
         out[label] = {"default": {"BLOCK_M": default["BLOCK_M"], "num_warps": default["num_warps"],

@@ -10,7 +10,10 @@ Linears are selected, the FFN's ``forward`` is replaced (through the :class:`Pat
     y = torch._scaled_mm(q, W2_fp8) + bias     (net.2)
 
 which removes the dense GELU kernel's write and the quantization kernel's re-read of ``h``. The receipt gets
-``fp8_gemm`` for both Linears and ``fp8_gelu_fused`` for the FFN path.
+``fp8_gemm`` for both Linears and ``fp8_gelu_fused`` for the FFN path. The kernel's GELU is within a stated
+bound of the exact formula but not bitwise torch's ``F.gelu`` on CUDA, so the fused path rounds slightly
+differently from the per-Linear path (see :mod:`~worldfoundry.core.acceleration.kernels.fp8_gelu_quant`); the
+install notes say so.
 
 The original ``FeedForward.forward`` runs instead -- each Linear then takes its own per-Linear path and records
 its own FP8 call or dense fallback with the reason -- when the call would not run FP8 (CPU, no FP8 tensor

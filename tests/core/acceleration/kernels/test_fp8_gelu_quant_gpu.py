@@ -1,13 +1,14 @@
-"""The fused GELU + rowwise FP8 kernel on CUDA against torch's CUDA GELU followed by the rowwise definition.
+"""The fused GELU + rowwise FP8 kernel on CUDA: quantization bitwise, activation within the stated bound.
 
-Skipped without a CUDA device. Two claims, tested separately so a failure says which one broke:
+Skipped without a CUDA device. Claims, tested separately so a failure says which one broke:
 
 * quantization (always bitwise): the FP8 bytes and scales equal ``quantize_rowwise_fp8`` of the kernel's own
   bfloat16 activation, on odd, large (W81: 32,760 x 8,960) and strided shapes, both rounding paths;
-* activation (bitwise when Triton's libdevice ``tanhf``/``erff`` equal the ones torch was built with): the
-  kernel's activation equals ``F.gelu(h, approximate=...)`` on the same GPU for every element. A failure
-  message gives the measured fraction of equal elements and the largest distance in bfloat16 ulps; the
-  benchmark (``benchmarks/kernels/selective_fp8.py``) reports the same figures.
+* activation (not bitwise torch's GELU on CUDA; the H200 run of the libdevice-``tanhf`` kernel measured 99.4 %
+  equal): within ``2**-8 * |gelu| + 2**-20 * |x|`` of the float64 formula -- the bound used on the CPU, which
+  torch's own bfloat16 GELU meets too (checked here as well). The fraction of elements equal to torch's CUDA
+  GELU and the largest distance in bfloat16 ulps are printed and recorded (``record_property``); the test only
+  requires at least :data:`MIN_EQUAL_FRACTION` equal, a guard against a broken formula, not an exactness claim.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ SHAPES = [
     (3, SINGLE_PASS_MAX_K + 48), (9, 3, 8960), (2, 100),
 ]
 APPROXIMATIONS = ["tanh", "none"]
+#: Sanity floor for the fraction of activations bitwise equal to torch's GELU (not an exactness claim).
+MIN_EQUAL_FRACTION = 0.95
 
 
 def _inputs(shape: tuple[int, ...]) -> torch.Tensor:
@@ -59,12 +62,24 @@ def _quantization_is_bitwise(h: torch.Tensor, approximate: str, **kwargs) -> tor
     return act
 
 
-def _activation_matches_torch(h: torch.Tensor, act: torch.Tensor, approximate: str) -> None:
+def _activation_within_bound(h: torch.Tensor, act: torch.Tensor, approximate: str, record_property) -> float:
+    """Assert the bound (kernel and torch), record and return the fraction equal to torch's CUDA GELU."""
+    exact = gelu_float64(h, approximate)
+    bound = 2.0**-8 * exact.abs() + 2.0**-20 * h.double().abs()
     dense = F.gelu(h, approximate=approximate)
+    ratio = float(((act.double() - exact).abs() / bound).nan_to_num(0.0).max())
+    assert ratio <= 1.0, f"kernel activation exceeds the bound: error/bound {ratio:.3f}"
+    assert torch.all((dense.double() - exact).abs() <= bound)  # the bound is the one torch's GELU meets
     ulps = bfloat16_ulp_distance(act, dense)
-    equal = (ulps == 0).double().mean().item()
-    assert equal == 1.0, (f"activation differs from torch's CUDA GELU: {equal:.6%} of elements equal, max "
-                          f"{int(ulps.max())} bf16 ulp")
+    equal = float((ulps == 0).double().mean())
+    max_ulp = int(ulps.max()) if ulps.numel() else 0
+    record_property("activation_equal_fraction_vs_torch", equal)
+    record_property("activation_max_ulp_vs_torch", max_ulp)
+    record_property("activation_error_over_bound", ratio)
+    print(f"[{approximate} {tuple(h.shape)}] equal to torch's CUDA GELU: {equal:.6%}, max {max_ulp} bf16 ulp, "
+          f"error/bound {ratio:.3f}")
+    assert equal >= MIN_EQUAL_FRACTION, f"only {equal:.4%} of activations equal torch's GELU (max {max_ulp} ulp)"
+    return equal
 
 
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
@@ -72,29 +87,31 @@ def _activation_matches_torch(h: torch.Tensor, act: torch.Tensor, approximate: s
 def test_quantization_bitwise_on_cuda(shape, approximate):
     h = _inputs(shape)
     act = _quantization_is_bitwise(h, approximate)
-    bound = 2.0**-8 * gelu_float64(h, approximate).abs() + 2.0**-20 * h.double().abs()
-    assert torch.all((act.double() - gelu_float64(h, approximate)).abs() <= bound)
+    exact = gelu_float64(h, approximate)
+    assert torch.all((act.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2.0**-20 * h.double().abs())
 
 
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_equals_torch_gelu_then_quantization_on_cuda(shape, approximate):
+def test_activation_within_bound_of_gelu_on_cuda(shape, approximate, record_property):
     h = _inputs(shape)
     q, scale, act = triton_gelu_quantize_rowwise_fp8(h, approximate, return_activation=True)
-    _activation_matches_torch(h, act, approximate)
-    q_ref, scale_ref = reference_gelu_quantize_rowwise_fp8(h, approximate)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    _activation_within_bound(h, act, approximate, record_property)
+    q_ref, scale_ref = reference_gelu_quantize_rowwise_fp8(h, approximate)  # torch GELU, then the definition
+    fp8_equal = float((q.view(torch.uint8) == q_ref.view(torch.uint8)).double().mean())
+    record_property("fp8_equal_fraction_vs_torch_gelu_reference", fp8_equal)
+    record_property("scale_equal_fraction_vs_torch_gelu_reference", float((scale == scale_ref).double().mean()))
 
 
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
-def test_every_normal_bfloat16_value_on_cuda(approximate):
+def test_every_normal_bfloat16_value_on_cuda(approximate, record_property):
     bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     values = bits[(bits.float().abs() >= 2.0**-100) & (bits.float().abs() <= 1e6)]
     values = torch.cat([values, -values])
     pad = (-values.numel()) % 1000
     h = torch.cat([values, torch.ones(pad, dtype=torch.bfloat16)]).reshape(-1, 1000).cuda()
     act = _quantization_is_bitwise(h, approximate)
-    _activation_matches_torch(h, act, approximate)
+    _activation_within_bound(h, act, approximate, record_property)
 
 
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)

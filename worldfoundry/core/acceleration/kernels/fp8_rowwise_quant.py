@@ -20,9 +20,10 @@ once and kept in registers; longer rows are read twice (amax pass, then quantize
 served from L2. Grouping and splitting never change the result: the row maximum is exact in any order and every
 other step is per element.
 
-The same kernel can apply a producer activation first (``ACTIVATION``): GELU computed in float32 and rounded to
-bfloat16 exactly as torch's bfloat16 GELU does on CUDA, then quantized. That fused producer and its torch
-reference live in :mod:`worldfoundry.core.acceleration.kernels.fp8_gelu_quant`.
+The same kernel can apply a producer activation first (``ACTIVATION``): GELU computed once per element in
+float32, rounded to bfloat16 and kept in registers between the row amax and the cast (single pass), then
+quantized. Its GELU is within a stated bound of the float64 formula but not bitwise torch's (see
+:mod:`worldfoundry.core.acceleration.kernels.fp8_gelu_quant`, which holds the fused producer and its reference).
 
 Optionally the kernel adds the number of clipped elements (``|x * (1 / scale)| >= 464`` or non-finite: with
 dynamic per-row scaling only non-finite inputs clip) to an int32 counter on the device, with one atomic per
@@ -70,6 +71,8 @@ SINGLE_PASS_MAX_K: Final = 16384
 MULTI_PASS_BLOCK_K: Final = 4096
 #: Narrow rows are grouped until a program holds about this many elements (a power-of-two number of rows).
 TARGET_ELEMENTS_PER_PROGRAM: Final = 8192
+#: Plain quantization uses 4 warps up to this many elements per program (at most 80 per thread), else 8.
+PLAIN_FOUR_WARP_MAX_ELEMENTS: Final = 10240
 #: Narrowest row piece (narrower rows are padded to it).
 MIN_PIECE: Final = 16
 #: ``ACTIVATION`` codes of the kernel: none (plain quantization), GELU tanh approximation, exact (erf) GELU.
@@ -106,29 +109,23 @@ if TRITON_AVAILABLE:
         return rounded.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _portable_tanh(y):
-        """float32 tanh from float64 ``exp`` (interpreter only: the interpreter has no libdevice)."""
-        a = tl.minimum(tl.abs(y), 20.0).to(tl.float64)  # tanh(20) rounds to 1 in float32; no exp overflow
-        t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-        t = t.to(tl.float32)
-        return tl.where(y < 0.0, -t, t)
-
-    @triton.jit
     def _gelu_to_bfloat16(x, c0, c1, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
                           SOFTWARE_ROUNDING: tl.constexpr):
-        """torch's CUDA GELU of float32 ``x``, rounded to bfloat16 and returned as float32.
+        """GELU of float32 ``x`` in float32, rounded to bfloat16 and returned as float32.
 
-        Tanh (``c0`` = kBeta, ``c1`` = kKappa): ``(0.5 * x) * (1 + tanhf(kBeta * fma(kKappa, (x * x) * x, x)))``;
-        erf (``c0`` = 1/sqrt(2)): ``(x * 0.5) * (1 + erff(x * c0))`` -- the same float32 operations, in the same
-        order, as ``GeluCUDAKernelImpl`` compiled with nvcc's default contraction of ``x + kKappa * x_cube``.
+        Tanh (``c0``, ``c1`` = :data:`GELU_TANH_EXP2_A`, ``_B``): ``0.5 * x * (1 + tanh(u))`` is evaluated as
+        ``x / (1 + 2**z)`` with ``z = x * (c0 + c1 * x * x) = -2 * u * log2(e)`` -- one ``ex2`` and one
+        reciprocal instead of libdevice's ``tanhf`` (about 20 instructions), and without the cancellation in
+        ``1 + tanh(u)`` for negative ``x``. Where ``tanhf(u)`` rounds to -1 (``z >= Z_SAT``) the result is
+        ``-0.0``, as torch's formula gives there. Erf (``c0`` = 1/sqrt(2)): ``(x * 0.5) * (1 + erff(x * c0))``.
         """
         if ACTIVATION == 1:
-            inner = c0 * tl.fma(c1, x * x * x, x)
+            z = x * tl.fma(c1, x * x, c0)
             if PORTABLE_MATH:
-                t = _portable_tanh(inner)
+                y = x / (1.0 + tl.exp2(z))
             else:
-                t = libdevice.tanh(inner)
-            y = (0.5 * x) * (1.0 + t)
+                y = libdevice.fast_dividef(x, 1.0 + tl.exp2(z))
+            y = tl.where(z >= 26.0, -0.0, y)  # tanhf(u) == -1 for u <= -9.0109 (z = -2u log2 e >= 26.0)
         else:
             z = x * c0
             if PORTABLE_MATH:
@@ -164,9 +161,9 @@ if TRITON_AVAILABLE:
             clipped = tl.sum(tl.where(tl.abs(y) < clip_threshold, 0, 1), axis=1)
         else:
             clipped = tl.zeros([v.shape[0]], dtype=tl.int32)
-        y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
         if SOFTWARE_ROUNDING:
-            y = _round_to_e4m3_grid(y)
+            y = _round_to_e4m3_grid(tl.minimum(tl.maximum(y, -fp8_max), fp8_max))
+        # else: the hardware cast (cvt.rn.satfinite) saturates to +-448 itself, like the reference's clamp
         q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         tl.store(q_rows + cols[None, :], q, mask=mask)
         return clipped
@@ -276,7 +273,10 @@ def _config(k: int, activation: int) -> tuple[int, int, int, int, int, bool, int
         width = MULTI_PASS_BLOCK_K
     block_m = _pow2_floor(max(1, min(64, TARGET_ELEMENTS_PER_PROGRAM // width)))
     elements = block_m * width
-    num_warps = 4 if elements <= 4096 else (8 if elements <= 8192 else 16)
+    if activation == ACTIVATION_NONE:  # H200 sweep: 4 warps best at K=1536 (4 rows) and K=8960 (1 row)
+        num_warps = 4 if elements <= PLAIN_FOUR_WARP_MAX_ELEMENTS else 8
+    else:  # the activation's temporaries: about 35 elements per thread (~60 registers at K=8960)
+        num_warps = 4 if elements <= 4096 else 8
     return block_m, p0, p1, p2, width, single, num_warps
 
 
