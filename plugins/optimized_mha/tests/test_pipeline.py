@@ -63,3 +63,32 @@ def test_load_time_install_from_the_policy() -> None:
         report = pipe.components.denoiser.runtime_optimization_report()
     assert torch.equal(result.latents, dense)
     assert report["installed"]["names"] == ["optimized_mha"]
+
+
+@pytest.mark.parametrize("recipe", ["tiny-wan2.1", "tiny-minimax-h3"])
+def test_fused_branch_receipts_count_every_model_call(recipe: str) -> None:
+    registry = _registry()
+    with NativeDiffusionPipeline.from_pretrained(recipe, policy=RuntimePolicy(), registry=registry) as pipe:
+        denoiser = pipe.components.denoiser
+        dense = pipe.generate(_request(pipe, recipe, "dense")).latents
+        params_before = {n: p.untyped_storage().nbytes() for n, p in denoiser.model.named_parameters()}
+        denoiser.install({"optimized_mha": {}}, registry=registry)
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in denoiser.model.parameters()}
+        assert sum(storages.values()) == sum(params_before.values())  # zero extra weight storage
+        calls: list[int] = []
+        counter = denoiser.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+        try:
+            result = pipe.generate(_request(pipe, recipe, "fused"))
+        finally:
+            counter.remove()
+        assert torch.equal(result.latents, dense)
+        plugin = result.receipts["installed"]["plugins"][0]
+        assert any("diffusers_fused_branch on" in note for note in plugin["notes"])
+        record = result.receipts["plugins"]["optimized_mha"]["model"]
+        qkv = {k: v for k, v in record["modules"].items() if k.endswith((".to_q", ".to_k", ".to_v"))
+               and "fused_qkv" in v}
+        assert qkv and all(v == {"fused_qkv": len(calls)} for v in qkv.values())
+        assert record["fallbacks"] == {} and record["finished"] is True
+        denoiser.uninstall()
+        assert {n: p.untyped_storage().nbytes() for n, p in denoiser.model.named_parameters()} == params_before
+        assert torch.equal(pipe.generate(_request(pipe, recipe, "again")).latents, dense)

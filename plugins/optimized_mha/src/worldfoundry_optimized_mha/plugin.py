@@ -1,53 +1,72 @@
-"""Glue: registration, ``prepare`` (validation only) and ``activate`` of ``optimized_mha``.
+"""Glue: registration and ``prepare`` (validation only) of ``optimized_mha``; activation is in
+:mod:`worldfoundry_optimized_mha.activation`.
 
 Per attention module selected by the options:
 
 * fusion (``"qkv"`` / ``"kv"``): the projections that read one input are packed into one storage and the original
-  Parameters become views of it (:class:`~worldfoundry.core.attention.packed_storage.PackedLinearParameters`);
-  the first projection's forward runs one GEMM on the packed weight and the others take their slice
-  (:class:`~worldfoundry.core.attention.fused_projection.SharedInputProjection`, bitwise-verified per shape);
+  Parameters become views of it (:class:`~worldfoundry.core.attention.packed_storage.PackedLinearParameters`).
+  Where the diffusers processor has a fused-projection branch (Wan, MiniMax-H3) the plugin turns it on and serves
+  ``to_qkv`` / ``to_kv`` / ``to_added_kv`` from the packed storage with a plain callable
+  (:class:`~worldfoundry.core.attention.packed_projection.PackedProjection`); elsewhere (SANA-Video) the
+  projections' forwards are wrapped (:class:`~worldfoundry.core.attention.fused_projection.SharedInputProjection`).
+  Both are bitwise-verified per input geometry (:mod:`worldfoundry_optimized_mha.plan`);
 * an explicit ``sdpa_backend``: the attention module's forward runs inside
   :func:`~worldfoundry.core.attention.sdpa_backends.sdpa_backend_scope`, so every SDPA call uses that backend or
   raises :class:`~worldfoundry.errors.AttentionBackendError`.
-
-Everything is recorded with a :class:`PatchRecorder`; uninstall unwraps the forwards and gives every packed
-Parameter a separate storage again.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 import worldfoundry
 from worldfoundry.base_models.diffusion_model.optimizations.attention_sites import (
-    NATIVE_DIFFUSERS_BACKEND,
-    ProjectionGroup,
     check_attention_site,
-    diffusers_attention_backend,
     head_dim,
     projection_groups,
     sdpa_capable,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.families import AttentionSite, family_of
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    ExecutionLedger,
-    PatchRecorder,
-    PreparedAcceleration,
-    RecordedHandle,
+from worldfoundry.base_models.diffusion_model.optimizations.families import (
+    AttentionSite,
+    ModelFamily,
+    family_of,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
-from worldfoundry.core.acceleration.prepared import ROLE_APPROXIMATE_ATTENTION, ROLE_OFFLOAD
-from worldfoundry.core.attention.fused_projection import ProjectionResult, SharedInputProjection
-from worldfoundry.core.attention.packed_storage import PackedLinearParameters, check_linears_packable, storage_owners
-from worldfoundry.core.attention.sdpa_backends import probe_sdpa_backend, sdpa_backend_scope
+from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
+    PreparedAcceleration,
+)
+from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
+    refuse_common,
+    refuse_module_hooks,
+)
+from worldfoundry.core.acceleration.prepared import (
+    ROLE_APPROXIMATE_ATTENTION,
+    ROLE_OFFLOAD,
+)
+from worldfoundry.core.attention.packed_storage import (
+    check_linears_packable,
+    storage_owners,
+)
+from worldfoundry.core.attention.sdpa_backends import probe_sdpa_backend
 from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError, AttentionBackendError, ParameterPackingError
+from worldfoundry.errors import (
+    AccelerationRefusedError,
+    AttentionBackendError,
+    ParameterPackingError,
+)
+from worldfoundry_optimized_mha.activation import OptimizedMHAHandle, activate
 from worldfoundry_optimized_mha.options import PLUGIN_NAME, AttentionOptions, Options
+from worldfoundry_optimized_mha.plan import (
+    FUSED_BRANCH,
+    PROJECTION_WRAPPERS,
+    SitePlan,
+    choose_projection_path,
+    path_summary,
+    refuse_diffusers_fused,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,31 +75,6 @@ logger = logging.getLogger(__name__)
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Called once by the registry when it discovers this distribution's entry point."""
     register(PLUGIN_NAME, prepare)
-
-
-@dataclass
-class SitePlan:
-    """What happens to one attention module."""
-
-    site: AttentionSite
-    settings: AttentionOptions
-    groups: list[ProjectionGroup] = field(default_factory=list)
-
-    @property
-    def backend(self) -> str:
-        return self.settings.sdpa_backend
-
-    def sdpa_calls_per_forward(self) -> int:
-        # Wan I2V cross-attention attends to the image tokens and to the text tokens: two SDPA calls.
-        return 2 if self.site.image_kv else 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.site.kind,
-            "fusion": self.settings.fusion,
-            "sdpa_backend": self.backend,
-            "fused_groups": {g.name: list(g.paths()) for g in self.groups},
-        }
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -116,9 +110,15 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             claims.update(group.paths())
         if plan.settings.explicit_backend:
             claims.add(plan.site.path)
-    notes = ["fused projections are checked bitwise against the separate projections on the first call of every "
-             "input shape; shapes that differ run the separate projections (reason fused_gemm_not_bitwise)",
+    notes = [("fused projections are checked bitwise against the separate projections on the first call of every "
+              "input shape; shapes that differ run the separate projections (reason fused_gemm_not_bitwise)"),
              "packed Parameters view one storage: no weight memory is added; uninstall gives them separate storages"]
+    paths = path_summary(plans)
+    if paths:
+        notes.append("projection paths: " + ", ".join(f"{name} on {n} attention module(s)"
+                                                        for name, n in sorted(paths.items())))
+    reasons = sorted({p.path_reason for p in plans if p.projection_path == PROJECTION_WRAPPERS and p.path_reason})
+    notes.extend(f"{PROJECTION_WRAPPERS}: {reason}" for reason in reasons)
     for settings in opts.kinds():
         if settings.explicit_backend:
             notes.append(f"sdpa backend {settings.sdpa_backend!r} on {settings.kind}-attention changes rounding")
@@ -127,7 +127,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     return PreparedAcceleration(
         name=PLUGIN_NAME,
         claims=frozenset(claims),
-        activate=lambda: activate(plans),
+        activate=lambda: activate(model, plans),
         incompatible_with=frozenset({ROLE_OFFLOAD}),
         options=opts.to_json(),
         exact=opts.exact,
@@ -135,11 +135,12 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     )
 
 
-def _plan_site(site: AttentionSite, family: Any, settings: AttentionOptions, owners: dict[int, list[str]],
-               probed: set[tuple[Any, ...]]) -> SitePlan:
+def _plan_site(site: AttentionSite, family: ModelFamily, settings: AttentionOptions,
+               owners: dict[int, list[str]], probed: set[tuple[Any, ...]]) -> SitePlan:
     processor = check_attention_site(site, family, PLUGIN_NAME)
     plan = SitePlan(site, settings)
     if settings.fuses:
+        refuse_diffusers_fused(site)
         for group in projection_groups(site):
             named = group.named_modules()
             refuse_module_hooks(named, PLUGIN_NAME)
@@ -150,6 +151,7 @@ def _plan_site(site: AttentionSite, family: Any, settings: AttentionOptions, own
                     PLUGIN_NAME, f"cannot pack {group.name} of {site.path} into one storage: {exc}"
                 ) from exc
             plan.groups.append(group)
+        choose_projection_path(plan, family)
     if settings.explicit_backend:
         reason = sdpa_capable(site, processor)
         if reason is not None:
@@ -169,123 +171,6 @@ def _plan_site(site: AttentionSite, family: Any, settings: AttentionOptions, own
     return plan
 
 
-# ---------------------------------------------------------------------------------------------- activate
-class OptimizedMHAHandle(RecordedHandle):
-    """Undoes the wrapped forwards and unpacks the storages; reports per-module fused/dense/backend counts."""
-
-    def __init__(self, patches: PatchRecorder, ledger: ExecutionLedger, plans: list[SitePlan],
-                 packs: dict[str, PackedLinearParameters], projections: dict[str, SharedInputProjection]) -> None:
-        super().__init__(PLUGIN_NAME, patches, ledger)
-        self._plans = plans
-        self.packs = packs
-        self.projections = projections
-
-    def end_request(self, request_id: str) -> None:
-        self.ledger.finish(request_id)
-
-    def release(self) -> None:
-        for projection in self.projections.values():
-            projection.clear()
-        self.packs = {}
-        self.projections = {}
-
-    def execution_report(self) -> dict[str, Any]:
-        report = super().execution_report()
-        report["sites"] = {plan.site.path: plan.to_json() for plan in self._plans}
-        report["packed_groups"] = {
-            key: {"bytes": pack.nbytes, "shares_storage": pack.shares_storage(),
-                  "bitwise_checks": self.projections[key].verdicts() if key in self.projections else {}}
-            for key, pack in self.packs.items()
-        }
-        report["added_weight_bytes"] = 0
-        return report
-
-
-def activate(plans: list[SitePlan]) -> OptimizedMHAHandle:
-    """Pack, wrap and return the handle. A failure part-way undoes what was done (PatchRecorder)."""
-    ledger = ExecutionLedger(PLUGIN_NAME)
-    packs: dict[str, PackedLinearParameters] = {}
-    projections: dict[str, SharedInputProjection] = {}
-    with PatchRecorder(PLUGIN_NAME) as recorder:
-        for plan in plans:
-            for group in plan.groups:
-                key = f"{plan.site.path}:{group.name}"
-                pack = PackedLinearParameters.pack(group.modules())
-                recorder.callback(pack.unpack, f"unpack {key}")
-                packs[key] = pack
-                projections[key] = _wrap_group(recorder, group, pack, ledger)
-            if plan.settings.explicit_backend:
-                recorder.wrap_forward(plan.site.module, _backend_forward(plan, ledger), name=f"{PLUGIN_NAME}.sdpa")
-        patches = recorder.pop_all()
-    logger.debug("%s active on %d attention module(s)", PLUGIN_NAME, len(plans))
-    return OptimizedMHAHandle(patches, ledger, plans, packs, projections)
-
-
-def _wrap_group(recorder: PatchRecorder, group: ProjectionGroup, pack: PackedLinearParameters,
-                ledger: ExecutionLedger) -> SharedInputProjection:
-    modules = group.modules()
-    paths = group.paths()
-    projection = SharedInputProjection(pack.split_sizes, pack.current)
-    kind = f"fused_{group.name}"
-
-    def on_result(index: int, result: ProjectionResult | None) -> None:
-        if result is None:
-            ledger.fallback(paths[index], "unpaired_call")
-        elif result.fused:
-            ledger.executed(paths[index], kind)
-        else:
-            ledger.fallback(paths[index], result.reason or "dense")
-        if index == 0 and result is not None and result.verified:
-            ledger.count("bitwise_checks")
-            if not result.fused:
-                ledger.count("bitwise_mismatches")
-
-    originals: list[Callable[..., Any]] = [modules[0].forward]
-    for index in range(1, len(modules)):
-        originals.append(modules[index].forward)
-        recorder.wrap_forward(
-            modules[index],
-            lambda original, i=index: projection.follower_forward(i, original, on_result),
-            name=PLUGIN_NAME,
-        )
-
-    def make_lead(original: Callable[..., Any]) -> Callable[..., Any]:
-        members = [original, *originals[1:]]
-
-        def forward(input: Any) -> Any:
-            result = projection.compute(input, members)
-            projection.offer(input, result)
-            on_result(0, result)
-            return result.outputs[0]
-
-        return forward
-
-    recorder.wrap_forward(modules[0], make_lead, name=PLUGIN_NAME)
-    return projection
-
-
-def _backend_forward(plan: SitePlan, ledger: ExecutionLedger) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    backend = plan.backend
-    path = plan.site.path
-    module = plan.site.module
-    calls = plan.sdpa_calls_per_forward()
-    kind = f"sdpa_{backend}"
-
-    def make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            dispatch = diffusers_attention_backend(module.processor)
-            if dispatch != NATIVE_DIFFUSERS_BACKEND:
-                raise AttentionBackendError(
-                    backend, f"{path} now dispatches to diffusers attention backend {dispatch!r}, not PyTorch SDPA"
-                )
-            with sdpa_backend_scope(backend):
-                output = original(*args, **kwargs)
-            ledger.executed(path, kind, n=calls)
-            return output
-
-        return forward
-
-    return make_wrapper
-
-
 prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
+
+__all__ = ["FUSED_BRANCH", "PROJECTION_WRAPPERS", "OptimizedMHAHandle", "SitePlan", "activate", "prepare"]

@@ -7,6 +7,9 @@ What a plugin needs to know before it touches an attention module:
 * which projections read the same input and can be packed (:func:`projection_groups`): self-attention
   ``to_q``/``to_k``/``to_v``; cross-attention ``to_k``/``to_v`` (text) and, for Wan I2V, ``add_k_proj``/
   ``add_v_proj`` (image). The first member of a group is the one the processor calls first;
+* whether the processor has a fused-projection branch (``if attn.fused_projections:`` then
+  ``attn.to_qkv(x).chunk(3, -1)`` / ``attn.to_kv(...)`` / ``attn.to_added_kv(...)``) and which attribute it calls
+  for each group (:func:`fused_branch_attributes`);
 * whether the attention goes through PyTorch SDPA (softmax attention with diffusers' ``native`` backend) so an
   explicit SDPA backend can apply (:func:`sdpa_capable`);
 * for Wan: which model inputs and modules the cross-attention conditioning is computed from, so a static K/V
@@ -67,6 +70,17 @@ _GROUPS: Final[dict[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     "cross": (("kv", ("to_k", "to_v")),),
 }
 _IMAGE_GROUP: Final = ("added_kv", ("add_k_proj", "add_v_proj"))
+
+#: (family, attention kind) -> {group name: attribute called by the processor's fused branch}. diffusers 0.42.x
+#: ``WanAttnProcessor`` (``_get_qkv_projections`` / ``_get_added_kv_projections``) and ``MiniMaxH3AttnProcessor``
+#: check ``attn.fused_projections``; SANA-Video's processors have no fused branch.
+FUSED_BRANCH_ATTRIBUTES: Final[dict[tuple[str, str], dict[str, str]]] = {
+    ("wan", "self"): {"qkv": "to_qkv"},
+    ("wan", "cross"): {"kv": "to_kv", "added_kv": "to_added_kv"},
+    ("minimax_h3", "self"): {"qkv": "to_qkv"},
+}
+#: Every attribute name a diffusers fused branch reads (present on a module = someone fused it already).
+FUSED_ATTRIBUTE_NAMES: Final = ("to_qkv", "to_kv", "to_added_kv")
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,26 @@ def projection_groups(site: AttentionSite, *, include_image: bool = True) -> lis
     if site.kind == "cross" and include_image and site.image_kv:
         groups.append(ProjectionGroup(_IMAGE_GROUP[0], site, _IMAGE_GROUP[1]))
     return groups
+
+
+def fused_branch_attributes(site: AttentionSite, family: ModelFamily) -> dict[str, str] | None:
+    """The attribute the site's processor calls for each of its projection groups when
+    ``attn.fused_projections`` is true, or ``None`` when that branch cannot serve the site.
+
+    It serves a site only if the processor has the branch, every group of the site (:func:`projection_groups`)
+    has an attribute there (the branch replaces all of them at once) and, for Wan, the module's
+    ``is_cross_attention`` (which picks ``to_qkv`` vs ``to_kv``) agrees with the site's kind.
+    Call :func:`check_attention_site` first (it checks the processor class).
+    """
+    attributes = FUSED_BRANCH_ATTRIBUTES.get((family.name, site.kind))
+    if attributes is None:
+        return None
+    if family.name == "wan" and bool(getattr(site.module, "is_cross_attention", None)) != (site.kind == "cross"):
+        return None
+    groups = [g.name for g in projection_groups(site)]
+    if any(g not in attributes for g in groups):
+        return None
+    return {g: attributes[g] for g in groups}
 
 
 def diffusers_attention_backend(processor: Any) -> str:
@@ -206,11 +240,14 @@ def wan_conditioning_inputs(positions: Mapping[str, int], args: tuple[Any, ...],
 
 
 __all__ = [
+    "FUSED_ATTRIBUTE_NAMES",
+    "FUSED_BRANCH_ATTRIBUTES",
     "KNOWN_PROCESSORS",
     "NATIVE_DIFFUSERS_BACKEND",
     "ProjectionGroup",
     "check_attention_site",
     "diffusers_attention_backend",
+    "fused_branch_attributes",
     "head_dim",
     "projection_groups",
     "sdpa_capable",
