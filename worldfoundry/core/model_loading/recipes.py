@@ -9,6 +9,7 @@ tokenizer, so they need no file at all.
 from __future__ import annotations
 
 import os
+import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,14 +22,31 @@ FAMILIES: Final = ("wan", "sana_video", "minimax_h3")
 MODES: Final = ("t2v", "i2v", "ti2v", "session")
 
 
+def installed_recipe_dirs() -> list[Path]:
+    """Where a wheel install puts the built-in recipes: ``<data>/share/worldfoundry/recipes`` of the
+    environment's install schemes (the prefix, the user scheme) and next to a ``--target`` directory."""
+    dirs: list[Path] = []
+    for scheme in (None, f"{os.name}_user"):
+        try:
+            data = sysconfig.get_path("data", scheme) if scheme else sysconfig.get_path("data")
+        except KeyError:
+            continue
+        if data:
+            dirs.append(Path(data) / "share" / "worldfoundry" / "recipes")
+    # pip install --target T puts data files under T as well (T holds the package directory)
+    dirs.append(Path(__file__).resolve().parents[3] / "share" / "worldfoundry" / "recipes")
+    return dirs
+
+
 def recipe_dirs() -> list[Path]:
     """Where recipes are looked for: ``$WORLDFOUNDRY_RECIPES`` (``os.pathsep``-separated), the project's
-    ``recipes/`` directory, and ``./recipes``."""
+    ``recipes/`` directory (editable installs), the recipes a wheel install carries, and ``./recipes``."""
     dirs: list[Path] = []
     env = os.environ.get(RECIPES_ENV)
     if env:
         dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
     dirs.append(Path(__file__).resolve().parents[3] / "recipes")
+    dirs.extend(installed_recipe_dirs())
     dirs.append(Path.cwd() / "recipes")
     seen: list[Path] = []
     for d in dirs:
