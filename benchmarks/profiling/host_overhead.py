@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--forwards", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--no-trace", action="store_true", help="skip the torch.profiler trace per variant")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             forward(m, inputs)
             forward(m, inputs)
             profiles[name] = profile_forward(m, inputs, device, args.top)
+            if args.no_trace:
+                continue
             try:
                 traces[name] = trace_forward(m, inputs, device)
             except Exception as exc:  # the profiler must not cost the timing run
@@ -241,6 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                 forward(m, inputs)
                 for _ in range(args.forwards):
                     rows[name].append(time_forward(m, inputs, device))
+    # Controls for what the interleaved loop may hide: Python's garbage collector, and the other variants
+    # running in between (each variant here runs alone, in one request, collector off).
+    controls: dict[str, dict[str, float]] = {}
+    gc.collect()
+    gc.disable()
+    try:
+        for name in names:
+            m, plugin = variants[name]
+            with request(m, f"{name}-alone", plugin):
+                forward(m, inputs)
+                alone = [time_forward(m, inputs, device) for _ in range(args.rounds * args.forwards)]
+            controls[name] = {k: round(statistics.median(a[k] for a in alone), 3)
+                              for k in ("enqueue_ms", "wall_ms", "gpu_ms")}
+    finally:
+        gc.enable()
+    for name in names:
+        controls[name]["wall_vs_dense"] = round(controls[name]["wall_ms"] / controls["dense"]["wall_ms"], 3)
 
     dma = dma_probe(model, inputs, device, 5)
     summary = {}
@@ -251,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         summary[name]["wall_vs_dense"] = round(summary[name]["wall_ms"] / max(1e-9, summary["dense"]["wall_ms"]), 3)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "workload": workload, "tokens": None, "r": r,
-              "summary": summary, "samples": rows, "profiles": profiles, "traces": traces, "dma_probe": dma}
+              "summary": summary, "samples": rows, "profiles": profiles, "traces": traces, "dma_probe": dma,
+              "alone_gc_off": controls}
     (out_dir / "host_overhead.json").write_text(json.dumps(result, indent=1))
     print(f"{'variant':<22} {'enqueue ms':>10} {'wall ms':>9} {'gpu ms':>8} {'enq/wall':>8} {'x dense':>8}")
     for name, s in summary.items():
         print(f"{name:<22} {s['enqueue_ms']:>10.2f} {s['wall_ms']:>9.2f} {s['gpu_ms']:>8.2f} "
               f"{s['enqueue_over_wall']:>8.3f} {s['wall_vs_dense']:>8.3f}")
+    print("each variant alone, collector off:", controls)
     print("dma probe:", dma)
     for name, tr in traces.items():
         print(f"--- trace {name}")
