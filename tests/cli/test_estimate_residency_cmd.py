@@ -48,3 +48,15 @@ def test_estimate_errors_exit_2(tmp_path: Path, capsys) -> None:
     rc = main(["estimate-residency", "--recipe", "no-such-recipe", "--frames", "5", "--height", "32", "--width", "32",
                "--device", "cpu", "--out", str(tmp_path / "o")])
     assert rc == 2 and "no-such-recipe" in capsys.readouterr().err
+
+
+def test_estimate_sana_video(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sana"
+    rc = main(["estimate-residency", "--recipe", "tiny-sana-video", "--frames", "9", "--height", "64", "--width",
+               "64", "--device", "cpu", "--dtype", "float32", "--warmup", "1", "--samples", "2", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / REPORT_JSON_FILENAME).read_text())
+    assert report["family"] == "sana_video" and report["tokens"] == 3 * 4 * 4
+    assert report["input_shapes"]["timestep"]["shape"][1] == 1 and report["compute_ms"] > 0
+    config = json.loads((out / CONFIG_FILENAME).read_text())
+    assert config["num_blocks"] == report["num_blocks"]

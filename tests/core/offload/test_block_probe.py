@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from diffusers import MiniMaxH3Transformer3DModel, WanTransformer3DModel
+from diffusers import MiniMaxH3Transformer3DModel, SanaVideoTransformer3DModel, WanTransformer3DModel
 
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.offload.block_probe import (
@@ -114,6 +114,36 @@ def test_block_weights_come_from_the_checkpoint(tmp_path) -> None:
     assert str(tmp_path) in probe.weights
 
 
+def test_sana_video_probe_matches_the_models_own_block_inputs() -> None:
+    source = resolve_dit_source("tiny-sana-video")
+    probe = build_probe_block(source, device=CPU, dtype=torch.bfloat16, random_weights=True)
+    assert probe.family == "sana_video" and probe.path == "transformer_blocks.0"
+    inputs = build_probe_inputs(probe, frames=9, height=64, width=64, device=CPU, dtype=torch.bfloat16)
+    assert inputs.tokens == 3 * 4 * 4  # latent 3 x 8 x 8, patch (1, 2, 2)
+    fresh = inputs.make()
+
+    torch.manual_seed(0)
+    model = apply_dtype_policy(SanaVideoTransformer3DModel(**source.config).eval(), torch.bfloat16)
+    text = probe.text_tokens or 300
+    latents = torch.randn(1, source.config["in_channels"], 3, 8, 8, dtype=torch.bfloat16)
+    caption = torch.randn(1, text, source.config["caption_channels"], dtype=torch.bfloat16)
+    real = _captured_block_inputs(model, lambda: model(latents, caption, torch.tensor([500])))
+    names = ("hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "timestep",
+             "frames", "height", "width", "rotary_emb")
+    theirs = dict(zip(names, real["args"]))
+    for name in ("hidden_states", "encoder_hidden_states", "timestep"):
+        assert fresh[name].shape == theirs[name].shape and fresh[name].dtype == theirs[name].dtype, name
+    assert (fresh["frames"], fresh["height"], fresh["width"]) == (theirs["frames"], theirs["height"],
+                                                                   theirs["width"]) == (3, 4, 4)
+    for ours, want in zip(fresh["rotary_emb"], theirs["rotary_emb"]):
+        assert ours.dtype == want.dtype and torch.equal(ours, want)  # the model's own rotary embedding
+    with torch.no_grad():
+        out = probe.block(**fresh)
+    assert out.shape == theirs["hidden_states"].shape and torch.isfinite(out.float()).all()
+    with pytest.raises(RecipeError, match="minimax_h3"):
+        build_probe_inputs(probe, frames=9, height=64, width=64, device=CPU, dtype=torch.bfloat16, sequence_length=8)
+
+
 def test_recipe_source_and_errors(tmp_path) -> None:
     source = resolve_dit_source("tiny-wan2.1")
     assert source.class_path.endswith("WanTransformer3DModel") and source.config["num_layers"] == 2
@@ -121,9 +151,6 @@ def test_recipe_source_and_errors(tmp_path) -> None:
         build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=False)
     with pytest.raises(RecipeError, match="outside"):
         build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True, index=5)
-    with pytest.raises(RecipeError, match="sana_video"):
-        build_probe_block(resolve_dit_source("tiny-sana-video"), device=CPU, dtype=torch.float32,
-                          random_weights=True)
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_dit_source("tiny-wan2.1", tmp_path / "missing")
     probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True)

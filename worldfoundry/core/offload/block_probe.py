@@ -34,7 +34,9 @@ from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.errors import CheckpointError, RecipeError
 
 #: Families whose block inputs the estimator knows how to build.
-ESTIMATOR_FAMILIES: Final = ("wan", "minimax_h3")
+ESTIMATOR_FAMILIES: Final = ("wan", "minimax_h3", "sana_video")
+#: Text rows of a SANA-Video request when the recipe does not say (its tokenizer's max_length).
+SANA_TEXT_TOKENS: Final = 300
 WAN_TEXT_TOKENS: Final = 512
 WAN_IMAGE_TOKENS: Final = 257
 H3_TEXT_TOKENS: Final = 512
@@ -311,6 +313,64 @@ def _h3_inputs(probe: ProbeBlock, frames: int, height: int, width: int, device: 
     return kwargs, rows
 
 
+def _sana_video_inputs(probe: ProbeBlock, frames: int, height: int, width: int, device: torch.device,
+                       dtype: torch.dtype, gen: torch.Generator,
+                       sequence_length: int | None) -> tuple[dict[str, Any], int]:
+    """The arguments SANA-Video passes its blocks, captured from the model itself: a copy of the model with one
+    block (same config otherwise, random weights) runs once on a request-shaped latent, and a pre-hook on that
+    block records what it receives (modulation, rotary embedding, caption states, frame/height/width)."""
+    import inspect
+
+    if sequence_length is not None:
+        raise RecipeError("sequence_length applies to minimax_h3 packed sequences; SANA-Video tokens come from the "
+                          "frames and the size")
+    cfg = dict(probe.config)
+    cfg["num_layers"] = 1
+    with torch.device("meta"):
+        model = probe.model_class.from_config(cfg)
+    apply_dtype_policy(model, dtype, probe.keep_fp32)
+    model.to_empty(device=device)
+    _random_init(model, 0, device)
+    rope = getattr(model, "rope", None)
+    if rope is not None:  # rotary tables are buffers computed at construction: rebuild them for real values
+        fresh = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
+        model.rope = _policy_module(fresh, "rope", dtype, probe.keep_fp32).to(device)
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    patch = tuple(cfg.get("patch_size", (1, 2, 2)))
+    tokens = math.prod(n // p for n, p in zip(lat, patch, strict=True))
+    if tokens < 1:
+        raise RecipeError(f"frames={frames} height={height} width={width} give no latent tokens")
+    text = probe.text_tokens or SANA_TEXT_TOKENS
+    latent = torch.randn(1, int(cfg.get("in_channels", 16)), *lat, generator=gen).to(device, dtype)
+    caption = torch.randn(1, text, int(cfg.get("caption_channels", 2304)), generator=gen).to(device, dtype)
+    block = model.transformer_blocks[0]
+    names = list(inspect.signature(block.forward).parameters)
+    captured: dict[str, Any] = {}
+
+    def grab(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.update(zip(names, args))
+        captured.update(kwargs)
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(hidden_states=latent, encoder_hidden_states=caption, timestep=torch.tensor([500], device=device))
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "hidden_states" not in captured:
+        raise RecipeError(f"{probe.model_class.__name__} did not call its first block")
+    kwargs = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in captured.items()}
+    del model
+    return kwargs, tokens
+
+
+class _Captured(Exception):
+    """Stops the one-block model once its block's inputs are recorded."""
+
+
 def build_probe_inputs(probe: ProbeBlock, *, frames: int, height: int, width: int, device: torch.device,
                        dtype: torch.dtype, sequence_length: int | None = None, seed: int = 0) -> ProbeInputs:
     """Inputs for ``probe.block`` matching a request of ``frames`` × ``height`` × ``width``.
@@ -326,7 +386,7 @@ def build_probe_inputs(probe: ProbeBlock, *, frames: int, height: int, width: in
         :class:`ProbeInputs`; ``make()`` returns keyword arguments for ``probe.block``.
     """
     gen = torch.Generator().manual_seed(seed)
-    builder = _wan_inputs if probe.family == "wan" else _h3_inputs
+    builder = {"wan": _wan_inputs, "minimax_h3": _h3_inputs, "sana_video": _sana_video_inputs}[probe.family]
     base, tokens = builder(probe, frames, height, width, device, dtype, gen, sequence_length)
     hidden = base["hidden_states"]
 
