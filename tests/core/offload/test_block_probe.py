@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ H3 = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_laye
           ffn_dim=64, in_channels=4, audio_in_channels=4, text_dim=16, freq_dim=16, time_embed_hidden_dim=32,
           time_embed_dim=16, rope_freq_dim=2)
 CPU = torch.device("cpu")
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
 
 def _config_file(tmp_path, cls, config) -> str:
@@ -142,6 +144,37 @@ def test_sana_video_probe_matches_the_models_own_block_inputs() -> None:
     assert out.shape == theirs["hidden_states"].shape and torch.isfinite(out.float()).all()
     with pytest.raises(RecipeError, match="minimax_h3"):
         build_probe_inputs(probe, frames=9, height=64, width=64, device=CPU, dtype=torch.bfloat16, sequence_length=8)
+
+
+def test_per_token_timesteps_and_codec_stride_come_from_the_recipe(tmp_path, monkeypatch) -> None:
+    """A Wan2.2 TI2V-style recipe (16× spatial codec, one timestep per token): the probe's latent grid and
+    modulation match what the model passes its blocks."""
+    text = (RECIPES / "tiny-wan2.1.yaml").read_text()
+    text = text.replace("name: tiny-wan2.1", "name: tiny-ti2v-probe")
+    text = text.replace("class: diffusers.WanTransformer3DModel", "class: diffusers.WanTransformer3DModel\n"
+                        "    expand_timesteps: true")
+    text = text.replace("temperal_downsample: [false, true, true]}",
+                        "temperal_downsample: [false, true, true], scale_factor_spatial: 16}")
+    (tmp_path / "tiny-ti2v-probe.yaml").write_text(text)
+    monkeypatch.setenv("WORLDFOUNDRY_RECIPES", str(tmp_path))
+    source = resolve_dit_source("tiny-ti2v-probe")
+    assert (source.spatial_stride, source.temporal_stride, source.expand_timesteps) == (16, 4, True)
+    assert (resolve_dit_source("tiny-wan2.1").spatial_stride, resolve_dit_source("tiny-wan2.1").expand_timesteps) \
+        == (8, False)
+    probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True)
+    inputs = build_probe_inputs(probe, frames=9, height=64, width=128, device=CPU, dtype=torch.float32)
+    assert inputs.tokens == 3 * 2 * 4  # latent 3 x 4 x 8 (16x spatial), patch (1, 2, 2)
+    fresh = inputs.make()
+
+    model = WanTransformer3DModel(**source.config).eval()
+    latents = torch.randn(1, source.config["in_channels"], 3, 4, 8)
+    timestep = torch.full((1, inputs.tokens), 500)  # one per token, as the Wan2.2 TI2V driver passes them
+    real = _captured_block_inputs(model, lambda: model(latents, timestep, torch.randn(1, 16, 32)))
+    hidden, _encoder, temb, _rotary = real["args"]
+    assert fresh["hidden_states"].shape == hidden.shape
+    assert fresh["temb"].shape == temb.shape == (1, inputs.tokens, 6, 64)
+    with torch.no_grad():
+        assert probe.block(**fresh).shape == hidden.shape
 
 
 def test_recipe_source_and_errors(tmp_path) -> None:

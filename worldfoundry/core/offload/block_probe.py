@@ -54,6 +54,10 @@ class DiTSource:
         weights_dir: a diffusers-format directory holding the DiT's safetensors, or ``None``.
         origin: where the config was read (for the report).
         text_tokens: text sequence length of a request (the recipe tokenizer's ``max_length``), if known.
+        spatial_stride / temporal_stride: the codec's compression (pixels per latent cell; frames per latent
+            frame after the first), from the recipe's codec config (8 and 4 when not given).
+        expand_timesteps: the denoiser gets one timestep per token (Wan2.2 TI2V), so blocks receive a
+            per-token modulation.
     """
 
     recipe: str
@@ -62,6 +66,9 @@ class DiTSource:
     weights_dir: Path | None = None
     origin: str = ""
     text_tokens: int | None = None
+    spatial_stride: int = 8
+    temporal_stride: int = 4
+    expand_timesteps: bool = False
 
 
 def _import(path: str) -> type:
@@ -92,6 +99,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
     path = Path(os.fspath(recipe))
     subfolder = "transformer"
     text_tokens = None
+    strides: dict[str, Any] = {}
     if path.suffix == ".json" and path.is_file():
         config = json.loads(path.read_text())
         class_name = config.get("_class_name")
@@ -110,6 +118,13 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
         tokenizer = loaded.component("tokenizer")
         if tokenizer is not None and isinstance(tokenizer.get("max_length"), int):
             text_tokens = int(tokenizer.get("max_length"))
+        codec = loaded.component("codec")
+        codec_config = dict(codec.config) if codec is not None else {}
+        for key, field_name in (("scale_factor_spatial", "spatial_stride"), ("scale_factor_temporal",
+                                                                             "temporal_stride")):
+            if isinstance(codec_config.get(key), int):
+                strides[field_name] = int(codec_config[key])
+        strides["expand_timesteps"] = bool(spec.get("expand_timesteps", False))
     weights_dir = None
     if checkpoint_dir is not None:
         root = Path(os.fspath(checkpoint_dir))
@@ -122,7 +137,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
             config = {k: v for k, v in ckpt_config.items() if not k.startswith("_")}
             origin = str(cfg_file)
     return DiTSource(str(recipe), class_path, {k: v for k, v in config.items() if not k.startswith("_")},
-                     weights_dir, origin, text_tokens)
+                     weights_dir, origin, text_tokens, **strides)
 
 
 @dataclass
@@ -138,6 +153,13 @@ class ProbeBlock:
     keep_fp32: tuple[str, ...]
     weights: str
     text_tokens: int | None = None
+    spatial_stride: int = 8
+    temporal_stride: int = 4
+    expand_timesteps: bool = False
+
+    def latent_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """Latent frames × height × width of a request of ``frames`` × ``height`` × ``width`` pixels."""
+        return ((frames - 1) // self.temporal_stride + 1, height // self.spatial_stride, width // self.spatial_stride)
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +243,8 @@ def build_probe_block(source: DiTSource, *, device: torch.device, dtype: torch.d
     apply_dtype_policy(block, dtype, keep)  # names relative to the block match the fp32-kept module names
     del model
     return ProbeBlock(block.eval().requires_grad_(False), family.name, path, len(blocks), cls,
-                      dict(source.config), keep, weights, source.text_tokens)
+                      dict(source.config), keep, weights, source.text_tokens, source.spatial_stride,
+                      source.temporal_stride, source.expand_timesteps)
 
 
 @dataclass(frozen=True)
@@ -258,7 +281,7 @@ def _wan_inputs(probe: ProbeBlock, frames: int, height: int, width: int, device:
     heads, head_dim = int(cfg.get("num_attention_heads", 40)), int(cfg.get("attention_head_dim", 128))
     dim = heads * head_dim
     patch = tuple(cfg.get("patch_size", (1, 2, 2)))
-    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    lat = probe.latent_grid(frames, height, width)
     grid = (lat[0] // patch[0], lat[1] // patch[1], lat[2] // patch[2])
     if sequence_length is not None:
         raise RecipeError("sequence_length applies to minimax_h3 packed sequences; Wan tokens come from the frames "
@@ -274,7 +297,9 @@ def _wan_inputs(probe: ProbeBlock, frames: int, height: int, width: int, device:
     kwargs = {
         "hidden_states": torch.randn(1, tokens, dim, generator=gen).to(device, dtype),
         "encoder_hidden_states": torch.randn(1, text, dim, generator=gen).to(device, dtype),
-        "temb": (torch.randn(1, 6, dim, generator=gen) * 0.1).to(device, dtype),
+        # one modulation per token when the denoiser gets per-token timesteps (Wan2.2 TI2V), else per sample
+        "temb": (torch.randn(1, *((tokens,) if probe.expand_timesteps else ()), 6, dim, generator=gen) * 0.1
+                 ).to(device, dtype),
         "rotary_emb": tuple(r.to(device) for r in rotary),
     }
     return kwargs, tokens
@@ -335,7 +360,7 @@ def _sana_video_inputs(probe: ProbeBlock, frames: int, height: int, width: int, 
     if rope is not None:  # rotary tables are buffers computed at construction: rebuild them for real values
         fresh = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
         model.rope = _policy_module(fresh, "rope", dtype, probe.keep_fp32).to(device)
-    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    lat = probe.latent_grid(frames, height, width)
     patch = tuple(cfg.get("patch_size", (1, 2, 2)))
     tokens = math.prod(n // p for n, p in zip(lat, patch, strict=True))
     if tokens < 1:
