@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemm-iters", type=int, default=20)
     p.add_argument("--sdpa-iters", type=int, default=5)
     p.add_argument("--text-len", type=int, default=TEXT_TOKENS)
+    p.add_argument("--variants", default="", help="comma-separated forward variants to time (default: all)")
+    p.add_argument("--parts", default="gemm,forward,sdpa", help="comma-separated parts to run")
     args = p.parse_args(argv)
     if not args.out:
         p.error("--out is required (or set $OUT)")
@@ -285,11 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{WRAPPERS_VARIANT} is optimized_mha with the projection-wrapper path forced on every site (the path "
         "used before the fused-branch path), for comparison in the same run")}
     t0 = time.perf_counter()
-    _run_part(data, "gemm", lambda: gemm_check(device, dtype, args), out)
-    _run_part(data, "forward", lambda: forward_bench(device, dtype, args, registry()), out)
+    parts = {part.strip() for part in args.parts.split(",")}
+    if "gemm" in parts:
+        _run_part(data, "gemm", lambda: gemm_check(device, dtype, args), out)
+    if "forward" in parts:
+        _run_part(data, "forward", lambda: forward_bench(device, dtype, args, registry()), out)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    _run_part(data, "sdpa", lambda: sdpa_bench(device, dtype, args), out)
+    if "sdpa" in parts:
+        _run_part(data, "sdpa", lambda: sdpa_bench(device, dtype, args), out)
     data["wall_s"] = time.perf_counter() - t0
     (out / "attention_fusion.json").write_text(json.dumps(data, indent=2, default=str))
     print_tables(data)

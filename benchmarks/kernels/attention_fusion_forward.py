@@ -60,7 +60,14 @@ DENSE_COPY = "dense[copy]"
 #: Timed at W17 only (they split optimized_mha's effect into its self- and cross-attention parts, and the noise floor).
 W17_ONLY = ("optimized_mha[self]", "optimized_mha[cross]", DENSE_COPY)
 #: Variants whose CUDA kernels are listed at W17 (one profiled forward each).
-PROFILED = ("dense", "optimized_mha", "diffusers_fuse_qkv")
+PROFILED = ("dense", "optimized_mha", "diffusers_fuse_qkv", "static_kv")
+#: Variants with a static K/V cache: the proof runs two forwards of one request (the second serves the cache),
+#: and the timed forwards of a request after its first are the steady state of a denoising step.
+STATIC_VARIANTS = ("mha_self+static_kv", "static_kv", "static_kv[packed]")
+FUSE_QKV = "diffusers_fuse_qkv"
+#: Every variant, in timing order (``--variants`` selects a subset; ``dense`` always runs).
+ALL_VARIANTS = ("optimized_mha", WRAPPERS_VARIANT, "optimized_mha[self]", "optimized_mha[cross]", FUSE_QKV,
+                "static_kv", "static_kv[packed]", "mha_self+static_kv", "mha_cudnn", DENSE_COPY)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -221,7 +228,10 @@ def _record(session: Any, plugin: str, request_id: str) -> dict[str, Any]:
             "claimed_not_executed": record.get("claimed_not_executed", []),
             "projection_paths": reports.get("projection_paths"),
             "bitwise_checks": {k: v.get("bitwise_checks") for k, v in reports.get("packed_groups", {}).items()
-                               if k.startswith("blocks.0.")}}
+                               if k.startswith("blocks.0.")},
+            # wan_cross_kv_fusion: its derived packed K/V copy is built on the first call, after install
+            "derived_weight_bytes": reports.get("derived_weight_bytes"),
+            "kv_cache_bytes": reports.get("kv_cache", {}).get("bytes")}
 
 
 def _variant_specs(text_len: int, approx_backend: str) -> dict[str, dict[str, Any]]:
@@ -233,8 +243,19 @@ def _variant_specs(text_len: int, approx_backend: str) -> dict[str, dict[str, An
         "optimized_mha[cross]": {"optimized_mha": {"cross": {"fusion": "kv"}}},
         "mha_self+static_kv": {"optimized_mha": {"self": {"fusion": "qkv"}},
                                "wan_cross_kv_fusion": {"min_tokens": min(256, text_len)}},
+        "static_kv": {"wan_cross_kv_fusion": {"min_tokens": min(256, text_len), "pack": False}},
+        "static_kv[packed]": {"wan_cross_kv_fusion": {"min_tokens": min(256, text_len)}},
         f"mha_{approx_backend}": {"optimized_mha": {"self": {"fusion": "qkv", "sdpa_backend": approx_backend}}},
     }
+
+
+def _chosen(variants: str | None, approx_backend: str) -> set[str]:
+    """The variants ``--variants`` names (all when empty); ``mha_cudnn`` stands for the approximate backend."""
+    names = set(ALL_VARIANTS) if not variants else {v.strip() for v in variants.split(",") if v.strip()}
+    unknown = names - set(ALL_VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; known: {list(ALL_VARIANTS)}")
+    return {f"mha_{approx_backend}" if n == "mha_cudnn" else n for n in names}
 
 
 def forward_bench(device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
@@ -244,15 +265,19 @@ def forward_bench(device: torch.device, dtype: torch.dtype, args: argparse.Names
     approx_backend = "math" if device.type == "cpu" else "cudnn"
     policy = RuntimePolicy(device=device, dtype=dtype)
     dense = build_wan(config, device, dtype)
-    specs = _variant_specs(args.text_len, approx_backend)
+    chosen = _chosen(getattr(args, "variants", None), approx_backend)
+    specs = {k: v for k, v in _variant_specs(args.text_len, approx_backend).items() if k in chosen}
     result: dict[str, Any] = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
                               "note": RANDOM_NOTE, "weight_memory": {}, "install_receipts": {}, "failed": {},
                               "retained_after_first_forward_bytes": {}}
-    copies = {name: copy.deepcopy(dense) for name in [*specs, "diffusers_fuse_qkv", DENSE_COPY]}
-    for name in ("diffusers_fuse_qkv", DENSE_COPY):
+    extra = [n for n in (FUSE_QKV, DENSE_COPY) if n in chosen]
+    copies = {name: copy.deepcopy(dense) for name in [*specs, *extra]}
+    for name in extra:
         attach_request_guard(copies[name])
     attach_request_guard(dense)
-    models: dict[str, nn.Module] = {"dense": dense, DENSE_COPY: copies[DENSE_COPY]}
+    models: dict[str, nn.Module] = {"dense": dense}
+    if DENSE_COPY in copies:
+        models[DENSE_COPY] = copies[DENSE_COPY]
     sessions: dict[str, Any] = {}
     for name, spec in specs.items():
         model = copies[name]
@@ -266,16 +291,15 @@ def forward_bench(device: torch.device, dtype: torch.dtype, args: argparse.Names
                                          "parameter_storage_bytes": storage_bytes(model) - storage}
         result["install_receipts"][name] = sessions[name].receipt.to_json()
         models[name] = model
-    fused = copies["diffusers_fuse_qkv"]
-    before, storage = memory_now(device), storage_bytes(fused)
-    fused.fuse_qkv_projections()
-    result["weight_memory"]["diffusers_fuse_qkv"] = {**memory_delta(before, memory_now(device)),
-                                                     "parameter_storage_bytes": storage_bytes(fused) - storage}
-    models["diffusers_fuse_qkv"] = fused
+    if FUSE_QKV in copies:
+        fused = copies[FUSE_QKV]
+        before, storage = memory_now(device), storage_bytes(fused)
+        fused.fuse_qkv_projections()
+        result["weight_memory"][FUSE_QKV] = {**memory_delta(before, memory_now(device)),
+                                             "parameter_storage_bytes": storage_bytes(fused) - storage}
+        models[FUSE_QKV] = fused
     del copies
-    order = [n for n in ("dense", "optimized_mha", WRAPPERS_VARIANT, "optimized_mha[self]", "optimized_mha[cross]",
-                         "diffusers_fuse_qkv", "mha_self+static_kv", f"mha_{approx_backend}", DENSE_COPY)
-             if n in models]
+    order = [n for n in ("dense", *ALL_VARIANTS[:-2], f"mha_{approx_backend}", DENSE_COPY) if n in models]
     for wname, latent in workloads.items():
         try:
             result[wname] = _workload(wname, latent, config, models, sessions, order, device, dtype, args, result)
@@ -315,7 +339,7 @@ def _workload(wname: str, latent: tuple[int, int, int], config: dict[str, Any], 
             before = memory_now(device)
             try:
                 outputs[name] = call(name, rid)()
-                if name == "mha_self+static_kv":  # second call: the text K/V now come from the cache
+                if name in STATIC_VARIANTS:  # second call: the text K/V now come from the cache
                     outputs[name] = call(name, rid)()
             except AttentionBackendError as exc:  # a backend PyTorch rejects for these shapes: reported
                 result["failed"][f"{name}@{wname}"] = str(exc)

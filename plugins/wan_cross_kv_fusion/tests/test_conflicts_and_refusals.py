@@ -38,12 +38,14 @@ def _installed(distribution: str) -> bool:
 def test_options() -> None:
     assert Options.from_mapping({}) == Options(256, False)
     assert Options.from_mapping({"min_tokens": 0, "include_image": True}).to_json() == {
-        "min_tokens": 0, "include_image": True}
+        "min_tokens": 0, "include_image": True, "pack": True}
+    assert Options.from_mapping({"pack": False}).pack is False
     for bad, message in [({"min_token": 3}, r"unknown option\(s\) \['min_token'\]"),
                          ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
                          ({"min_tokens": True}, "min_tokens must be an integer"),
                          ({"min_tokens": 2.5}, "min_tokens must be an integer"),
-                         ({"include_image": "yes"}, "include_image must be true or false")]:
+                         ({"include_image": "yes"}, "include_image must be true or false"),
+                         ({"pack": 1}, "pack must be true or false")]:
         with pytest.raises(AccelerationOptionsError, match=message):
             Options.from_mapping(bad)
     with pytest.raises(AccelerationOptionsError, match="must be a mapping"):

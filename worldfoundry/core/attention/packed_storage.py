@@ -24,7 +24,8 @@ from typing import Any, Final, NamedTuple
 import torch
 import torch.nn as nn
 
-from worldfoundry.core.attention.fingerprints import alignment, tensor_state
+from worldfoundry.core.attention.fingerprints import alignment
+from worldfoundry.core.attention.source_watch import linears_state
 from worldfoundry.errors import ParameterPackingError
 
 #: Parameter dtypes that can be packed and run through ``F.linear``.
@@ -284,9 +285,7 @@ class DerivedPackedLinear:
 
     def source_state(self) -> tuple[Any, ...]:
         """Identity/version/pointer/dtype/device key of every source Parameter."""
-        return tuple(
-            (tensor_state(m._parameters.get("weight")), tensor_state(m._parameters.get("bias"))) for m in self.modules
-        )
+        return linears_state(self.modules)
 
     def current(self) -> PackedWeights:
         """The packed copy, rebuilt first when a source Parameter changed.

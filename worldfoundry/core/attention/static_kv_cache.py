@@ -26,10 +26,20 @@ INVALIDATED = "invalidated"
 
 
 @dataclass
-class _Entry:
+class CacheEntry:
+    """Cached tensors, the validity key they were computed under and their version counters when stored."""
+
     validity: tuple[Any, ...]
     tensors: tuple[torch.Tensor, ...]
     versions: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, validity: tuple[Any, ...], tensors: tuple[torch.Tensor, ...]) -> CacheEntry:
+        return cls(validity, tuple(tensors), tuple(tensor_version(t) for t in tensors))
+
+    def untouched(self) -> bool:
+        """Whether no cached tensor was modified in place since it was stored (inference tensors: assumed)."""
+        return tuple(tensor_version(t) for t in self.tensors) == self.versions
 
 
 class StaticKVCache:
@@ -43,7 +53,7 @@ class StaticKVCache:
             raise ValueError("max_requests must be >= 1")
         self.max_requests = max_requests
         self._lock = threading.Lock()
-        self._requests: OrderedDict[str, dict[Hashable, _Entry]] = OrderedDict()
+        self._requests: OrderedDict[str, dict[Hashable, CacheEntry]] = OrderedDict()
         self.evicted_requests = 0
 
     def lookup(self, request_id: str, slot: Hashable,
@@ -64,7 +74,7 @@ class StaticKVCache:
             entry = entries.get(slot) if entries is not None else None
             if entry is None:
                 return None, MISS
-            if entry.validity == validity and tuple(tensor_version(t) for t in entry.tensors) == entry.versions:
+            if entry.validity == validity and entry.untouched():
                 self._requests.move_to_end(request_id)
                 return entry.tensors, HIT
             del entries[slot]
@@ -74,14 +84,28 @@ class StaticKVCache:
               tensors: tuple[torch.Tensor, ...]) -> None:
         """Remember ``tensors`` for ``slot`` of ``request_id`` under ``validity``."""
         with self._lock:
-            entries = self._requests.get(request_id)
-            if entries is None:
-                entries = self._requests[request_id] = {}
-            entries[slot] = _Entry(validity, tuple(tensors), tuple(tensor_version(t) for t in tensors))
-            self._requests.move_to_end(request_id)
-            while len(self._requests) > self.max_requests:
-                self._requests.popitem(last=False)
-                self.evicted_requests += 1
+            self._entries_locked(request_id)[slot] = CacheEntry.of(validity, tuple(tensors))
+
+    def request_entries(self, request_id: str) -> dict[Hashable, CacheEntry]:
+        """The live ``slot -> entry`` dict of ``request_id`` (created, and marked most recent).
+
+        For a caller that looks entries up many times per model forward without taking the lock: it reads and
+        writes the dict directly (single dict operations are atomic) and checks :attr:`CacheEntry.validity` and
+        :meth:`CacheEntry.untouched` itself. :meth:`drop_request`, eviction and :meth:`clear` detach the dict from
+        the cache; entries written to a detached dict are simply forgotten.
+        """
+        with self._lock:
+            return self._entries_locked(request_id)
+
+    def _entries_locked(self, request_id: str) -> dict[Hashable, CacheEntry]:
+        entries = self._requests.get(request_id)
+        if entries is None:
+            entries = self._requests[request_id] = {}
+        self._requests.move_to_end(request_id)
+        while len(self._requests) > self.max_requests:
+            self._requests.popitem(last=False)
+            self.evicted_requests += 1
+        return entries
 
     def drop_request(self, request_id: str) -> int:
         """Forget every entry of ``request_id``. Returns how many were dropped."""
@@ -112,4 +136,4 @@ class StaticKVCache:
         return sum(seen.values())
 
 
-__all__ = ["HIT", "INVALIDATED", "MISS", "StaticKVCache"]
+__all__ = ["HIT", "INVALIDATED", "MISS", "CacheEntry", "StaticKVCache"]

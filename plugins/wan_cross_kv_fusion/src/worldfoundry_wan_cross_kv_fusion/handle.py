@@ -2,23 +2,29 @@
 
 Per cross-attention module and group (``text``: ``to_k``/``to_v``; ``image``: ``add_k_proj``/``add_v_proj``):
 
-* the lead projection (``to_k`` / ``add_k_proj``) runs one GEMM on a derived packed weight (refreshed when a
-  source Parameter changes) and hands the value slice to the follower (``to_v`` / ``add_v_proj``);
-* inside a request (``current_request()``) and a model forward, the pair of outputs is cached per
-  (request id, CFG branch, expert, module, group) and reused while the conditioning inputs of the model call
-  (identity, version, pointer, layout), the parameters of the text/image embedders and the K/V weights are
-  unchanged;
+* the lead projection (``to_k`` / ``add_k_proj``) computes both outputs — one GEMM on a derived packed weight
+  (refreshed when a source Parameter changes), or with ``pack=False`` the original projections — and hands the
+  value to the follower (``to_v`` / ``add_v_proj``);
+* inside a request (``current_request()``) the pair is cached per (request id, CFG branch, expert, module, group)
+  and reused while the conditioning inputs of the model call (identity, version, pointer, layout), the parameters
+  of the text/image embedders and the K/V weights are unchanged; cached tensors are contiguous, so the processor's
+  ``norm_k`` reads them exactly as it reads the dense projection's output;
 * fewer key/value tokens than ``min_tokens``: the original projections run (dense bypass, counted).
 
-The conditioning of the running forward is captured by a forward pre-hook on the model (and released by an
-always-called forward hook), because the cross-attention input itself is recomputed by the embedders on every
-call while the model inputs stay the same tensors over the steps of a request.
+At a few thousand tokens a Wan forward is bound by the host as much as by the GPU, so everything that can be
+decided once per model forward is: a forward pre-hook on the model reads the conditioning, the request context
+and the K/V weights' generations (:class:`~worldfoundry.core.attention.source_watch.LinearSourceWatch`), and —
+when this is the only forward running on the model — lets the projection calls of that forward, in that thread,
+serve a valid entry with one dict lookup and count it with a plain integer (folded into the ledger at request end
+or report). A concurrent second forward revokes that; its calls, and calls outside a request, compute without the
+cache. A change made while a forward runs is seen from the next forward on.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,25 +40,31 @@ from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
     PatchRecorder,
     RecordedHandle,
 )
-from worldfoundry.core.acceleration.context import current_request
+from worldfoundry.core.acceleration.context import RequestContext, current_request
 from worldfoundry.core.attention.fingerprints import ContentVersions, parameters_state, tensor_state
 from worldfoundry.core.attention.fused_projection import ProjectionResult, SharedInputProjection
 from worldfoundry.core.attention.packed_storage import DerivedPackedLinear
-from worldfoundry.core.attention.static_kv_cache import StaticKVCache
+from worldfoundry.core.attention.source_watch import LinearSourceWatch
+from worldfoundry.core.attention.static_kv_cache import CacheEntry, StaticKVCache
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 
 #: Ledger kind suffix per projection group.
 GROUP_KINDS = {"kv": "text_kv", "added_kv": "image_kv"}
 
 BELOW_MIN_TOKENS = "below_min_tokens"
+#: ``pack=False``: the original projections computed the pair (not a fallback: the configured path).
+PACK_DISABLED = "pack_disabled"
+
+_get_ident = threading.get_ident
 
 
 @dataclass
 class PackedGroup:
-    """One packed K/V pair and its runtime objects."""
+    """One K/V pair and its runtime objects (``pack`` is ``None`` with ``pack=False``)."""
 
+    index: int
     group: ProjectionGroup
-    pack: DerivedPackedLinear
+    pack: DerivedPackedLinear | None
     projection: SharedInputProjection
     paths: tuple[str, ...]
 
@@ -63,6 +75,30 @@ class PackedGroup:
     @property
     def key(self) -> str:
         return f"{self.group.site.path}:{self.kind}"
+
+
+@dataclass
+class _BranchState:
+    """One (request, CFG branch, expert): its conditioning epoch, cache slots and plain hit counters."""
+
+    request_id: str
+    branch: str
+    slots: list[Hashable]
+    hits: list[int]
+    follows: list[int]
+    conditioning: tuple[Any, ...] | None = None
+    epoch: int = 0
+
+
+@dataclass
+class _Fast:
+    """What the calls of the validated forward running now (in ``owner``'s thread) may use."""
+
+    owner: int
+    state: _BranchState
+    entries: dict[Hashable, CacheEntry]
+    gens: list[int]
+    handoff: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
 
 class WanCrossKVHandle(RecordedHandle):
@@ -77,42 +113,95 @@ class WanCrossKVHandle(RecordedHandle):
         self._positions = dict(positions)
         self.cache = StaticKVCache(max_requests=max_requests)
         self.groups: dict[str, PackedGroup] = {}
+        self._order: list[PackedGroup] = []
+        self._watch: LinearSourceWatch | None = None
         self._versions = ContentVersions()
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._active = 0
+        self._fast: _Fast | None = None
+        self._states: dict[tuple[str, str, Any], _BranchState] = {}
+        self._epochs = itertools.count(1)  # conditioning epochs, unique over the handle's life
 
     # ------------------------------------------------------------------ lifecycle
     def begin_request(self, request_id: str) -> None:
         self.cache.drop_request(request_id)
+        self._drop_states(request_id)
+
+    def _drop_states(self, request_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._states if k[0] == request_id]:
+                del self._states[key]
 
     def end_request(self, request_id: str) -> None:
+        self.fold_counts()
         dropped = self.cache.drop_request(request_id)
+        self._drop_states(request_id)
         self.ledger.note("kv_cache_entries_dropped", dropped, request_id=request_id)
         self.ledger.finish(request_id)
 
     def release(self) -> None:
+        self.fold_counts()
+        self._fast = None
         self.cache.clear()
+        self._states.clear()
         self._versions.clear()
         for packed in self.groups.values():
-            packed.pack.release()
+            if packed.pack is not None:
+                packed.pack.release()
             packed.projection.clear()
         self.groups = {}
+        self._order = []
+        self._watch = None
+
+    def fold_counts(self) -> None:
+        """Move the hit counters of the validated forwards into the ledger (cheap; safe to call any time)."""
+        with self._lock:
+            states = list(self._states.values())
+        for state in states:
+            total = 0
+            for packed in self._order:
+                i = packed.index
+                lead, follow = state.hits[i], state.follows[i]
+                if not lead and not follow:
+                    continue
+                state.hits[i] = state.follows[i] = 0
+                kind = f"cached_{packed.kind}"
+                if lead:
+                    self.ledger.executed(packed.paths[0], kind, lead, request_id=state.request_id)
+                if follow:
+                    for path in packed.paths[1:]:
+                        self.ledger.executed(path, kind, follow, request_id=state.request_id)
+                total += lead
+            if total:
+                self.ledger.count("kv_cache_hit", total, request_id=state.request_id)
+                self.ledger.count(f"kv_cache_hit.{state.branch}", total, request_id=state.request_id)
 
     def execution_report(self) -> dict[str, Any]:
+        self.fold_counts()
         report = super().execution_report()
         report["packed_groups"] = {
-            key: {"paths": list(g.paths), "derived_bytes": g.pack.nbytes, "builds": g.pack.builds,
+            key: {"paths": list(g.paths), "derived_bytes": g.pack.nbytes if g.pack is not None else 0,
+                  "builds": g.pack.builds if g.pack is not None else 0,
                   "bitwise_checks": g.projection.verdicts()}
             for key, g in self.groups.items()
         }
-        report["derived_weight_bytes"] = sum(g.pack.nbytes for g in self.groups.values())
+        report["derived_weight_bytes"] = sum(g.pack.nbytes for g in self.groups.values() if g.pack is not None)
         report["kv_cache"] = {"entries": self.cache.entries(), "bytes": self.cache.nbytes(),
                               "evicted_requests": self.cache.evicted_requests}
         report["options"] = self.opts.to_json()
         return report
 
-    # ------------------------------------------------------------------ conditioning of the running forward
+    # ------------------------------------------------------------------ the forward of the model
     def enter_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook on the model: remember what the cross-attention context is computed from."""
+        """Forward pre-hook on the model: read the conditioning and, if this forward runs alone, open the fast path."""
+        depth = getattr(self._local, "depth", 0)
+        with self._lock:
+            self._active += 1
+            sole = self._active == 1 and depth == 0
+            if not sole:
+                self._fast = None  # a concurrent (or nested) forward: every call computes on its own
+        self._local.depth = depth + 1
         text, image = wan_conditioning_inputs(self._positions, args, kwargs)
         key: tuple[Any, ...] | None = None
         if text is not None:
@@ -121,46 +210,79 @@ class WanCrossKVHandle(RecordedHandle):
                 tensor_state(image, self._versions.version(image)) if image is not None else (),
                 parameters_state(self._conditioning_modules),
             )
-        stack = self._stack()
-        stack.append(key)
+        ctx = current_request()
+        if not sole or key is None or ctx is None or self._watch is None:
+            return
+        state = self._branch_state(ctx)
+        if state.conditioning != key:
+            state.conditioning = key
+            state.epoch = next(self._epochs)
+        fast = _Fast(_get_ident(), state, self.cache.request_entries(ctx.request_id), self._watch.generations())
+        with self._lock:
+            if self._active == 1:
+                self._fast = fast
 
     def exit_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Always-called forward hook on the model: forget the forward's conditioning."""
-        stack = self._stack()
-        if stack:
-            stack.pop()
+        """Always-called forward hook on the model: close this thread's fast path and forget the forward."""
+        depth = getattr(self._local, "depth", 0)
+        if depth <= 0:
+            return  # the pre-hook did not run in this thread
+        self._local.depth = depth - 1
+        with self._lock:
+            self._active -= 1
+            fast = self._fast
+            if fast is not None and fast.owner == _get_ident():
+                self._fast = None
 
-    def _stack(self) -> list[tuple[Any, ...] | None]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def _conditioning(self) -> tuple[Any, ...] | None:
-        stack = self._stack()
-        return stack[-1] if stack else None
+    def _branch_state(self, ctx: RequestContext) -> _BranchState:
+        branch = ctx.branch or "none"
+        key = (ctx.request_id, branch, ctx.expert)
+        state = self._states.get(key)
+        if state is None:
+            n = len(self._order)
+            slots: list[Hashable] = [(branch, ctx.expert, p.key) for p in self._order]
+            state = _BranchState(ctx.request_id, branch, slots, [0] * n, [0] * n)
+            with self._lock:
+                self._states[key] = state
+        return state
 
     # ------------------------------------------------------------------ projections
     def add_group(self, recorder: PatchRecorder, group: ProjectionGroup) -> PackedGroup:
-        """Wrap the group's projections (lead: packed/cached; follower: its slice)."""
+        """Wrap the group's projections (lead: computes or serves the pair; follower: takes its part)."""
         modules = group.modules()
-        pack = DerivedPackedLinear(modules)
-        packed = PackedGroup(group, pack, SharedInputProjection(pack.split_sizes, pack.current), group.paths())
+        if self.opts.pack:
+            pack: DerivedPackedLinear | None = DerivedPackedLinear(modules)
+            projection = SharedInputProjection(pack.split_sizes, pack.current)
+        else:
+            pack = None
+            projection = SharedInputProjection([m.out_features for m in modules], lambda: PACK_DISABLED)
+        packed = PackedGroup(len(self._order), group, pack, projection, group.paths())
         self.groups[packed.key] = packed
+        self._order.append(packed)
+        self._watch = LinearSourceWatch([g.group.modules() for g in self._order])
         originals: list[Callable[..., Any]] = [modules[0].forward]
         for index in range(1, len(modules)):
             originals.append(modules[index].forward)
-            recorder.wrap_forward(
-                modules[index],
-                lambda original, i=index: packed.projection.follower_forward(
-                    i, original, lambda idx, res: self._record(packed, idx, res)),
-                name=PLUGIN_NAME,
-            )
+            recorder.wrap_forward(modules[index], lambda original, i=index: self._follower(packed, i, original),
+                                  name=PLUGIN_NAME)
 
         def make_lead(original: Callable[..., Any]) -> Callable[..., Any]:
             members = [original, *originals[1:]]
+            index = packed.index
 
             def forward(input: Any) -> Any:
+                # The common call inside a validated forward of a request: one dict lookup, three comparisons.
+                fast = self._fast
+                if fast is not None and fast.owner == _get_ident():
+                    state = fast.state
+                    entry = fast.entries.get(state.slots[index])
+                    if (entry is not None and entry.validity == (state.epoch, fast.gens[index], input.shape)
+                            and entry.untouched()):
+                        state.hits[index] += 1
+                        tensors = entry.tensors
+                        fast.handoff = (index, input, tensors[1])
+                        return tensors[0]
+                    return self._fast_miss(fast, packed, input, members, entry)
                 return self._lead(packed, input, members)
 
             return forward
@@ -168,40 +290,60 @@ class WanCrossKVHandle(RecordedHandle):
         recorder.wrap_forward(modules[0], make_lead, name=PLUGIN_NAME)
         return packed
 
+    def _follower(self, packed: PackedGroup, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        slow = packed.projection.follower_forward(index, original, lambda i, res: self._record(packed, i, res))
+        group_index = packed.index
+
+        def forward(input: Any) -> Any:
+            fast = self._fast
+            if fast is not None and fast.owner == _get_ident():
+                handoff = fast.handoff
+                if handoff is not None and handoff[0] == group_index and handoff[1] is input:
+                    fast.handoff = None
+                    fast.state.follows[group_index] += 1
+                    return handoff[2]
+            return slow(input)
+
+        return forward
+
+    def _fast_miss(self, fast: _Fast, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]],
+                   stale: CacheEntry | None) -> torch.Tensor:
+        """Inside a validated forward: compute the pair and cache it (or bypass below ``min_tokens``)."""
+        fast.handoff = None
+        if _tokens(x) < self.opts.min_tokens:
+            return self._bypass(packed, x, members)
+        state = fast.state
+        rid = state.request_id
+        status = "miss" if stale is None else "invalidated"
+        self.ledger.count(f"kv_cache_{status}", request_id=rid)
+        self.ledger.count(f"kv_cache_miss.{state.branch}", request_id=rid)
+        if stale is not None:
+            self.ledger.count("kv_cache_miss", request_id=rid)
+        result = packed.projection.compute(x, members)
+        outputs = tuple(t if t.is_contiguous() else t.contiguous() for t in result.outputs)
+        fast.entries[state.slots[packed.index]] = CacheEntry.of(
+            (state.epoch, fast.gens[packed.index], x.shape), outputs)
+        result = ProjectionResult(outputs, result.fused, result.reason, result.verified)
+        packed.projection.offer(x, result)
+        self._record(packed, 0, result)
+        return outputs[0]
+
     def _lead(self, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]]) -> torch.Tensor:
-        projection = packed.projection
-        tokens = x.shape[-2] if x.dim() >= 2 else 1
-        if tokens < self.opts.min_tokens:
-            result = ProjectionResult(tuple(m(x) for m in members), False, BELOW_MIN_TOKENS)
-            self.ledger.count("dense_bypass")
-        else:
-            result = self._cached_or_computed(packed, x, members)
-        projection.offer(x, result)
+        """Outside a validated forward of a request: compute without the cache (or bypass below ``min_tokens``)."""
+        if _tokens(x) < self.opts.min_tokens:
+            return self._bypass(packed, x, members)
+        self.ledger.count("kv_cache_unscoped" if current_request() is None else "kv_cache_concurrent")
+        result = packed.projection.compute(x, members)
+        packed.projection.offer(x, result)
         self._record(packed, 0, result)
         return result.outputs[0]
 
-    def _cached_or_computed(self, packed: PackedGroup, x: torch.Tensor,
-                            members: Sequence[Callable[..., Any]]) -> ProjectionResult:
-        ctx = current_request()
-        conditioning = self._conditioning()
-        if ctx is None or conditioning is None:
-            self.ledger.count("kv_cache_unscoped")
-            return packed.projection.compute(x, members)
-        slot = (ctx.branch, ctx.expert, packed.key)
-        validity = (conditioning, packed.pack.source_state(), tuple(x.shape), x.dtype, x.device)
-        cached, status = self.cache.lookup(ctx.request_id, slot, validity)
-        branch = ctx.branch or "none"
-        if cached is not None:
-            self.ledger.count("kv_cache_hit")
-            self.ledger.count(f"kv_cache_hit.{branch}")
-            return ProjectionResult(cached, True, cached=True)
-        self.ledger.count(f"kv_cache_{status}")
-        self.ledger.count(f"kv_cache_miss.{branch}")
-        if status != "miss":
-            self.ledger.count("kv_cache_miss")
-        result = packed.projection.compute(x, members)
-        self.cache.store(ctx.request_id, slot, validity, result.outputs)
-        return result
+    def _bypass(self, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]]) -> torch.Tensor:
+        result = ProjectionResult(tuple(m(x) for m in members), False, BELOW_MIN_TOKENS)
+        self.ledger.count("dense_bypass")
+        packed.projection.offer(x, result)
+        self._record(packed, 0, result)
+        return result.outputs[0]
 
     def _record(self, packed: PackedGroup, index: int, result: ProjectionResult | None) -> None:
         path = packed.paths[index]
@@ -212,6 +354,8 @@ class WanCrossKVHandle(RecordedHandle):
             self.ledger.executed(path, f"cached_{packed.kind}")
         elif result.fused:
             self.ledger.executed(path, f"packed_{packed.kind}")
+        elif result.reason == PACK_DISABLED:
+            self.ledger.executed(path, f"separate_{packed.kind}")
         else:
             self.ledger.fallback(path, result.reason or "dense")
         if index == 0 and result.verified:
@@ -220,4 +364,8 @@ class WanCrossKVHandle(RecordedHandle):
                 self.ledger.count("bitwise_mismatches")
 
 
-__all__ = ["BELOW_MIN_TOKENS", "GROUP_KINDS", "PackedGroup", "WanCrossKVHandle"]
+def _tokens(x: torch.Tensor) -> int:
+    return x.shape[-2] if x.dim() >= 2 else 1
+
+
+__all__ = ["BELOW_MIN_TOKENS", "GROUP_KINDS", "PACK_DISABLED", "PackedGroup", "WanCrossKVHandle"]

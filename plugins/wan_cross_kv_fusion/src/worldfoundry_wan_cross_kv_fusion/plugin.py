@@ -78,7 +78,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             groups.append(group)
     derived_bytes = sum(m.weight.numel() * m.weight.element_size() + (m.bias.numel() * m.bias.element_size()
                                                                       if m.bias is not None else 0)
-                        for g in groups for m in g.modules())
+                        for g in groups for m in g.modules()) if opts.pack else 0
     claims = {path for g in groups for path in g.paths()} | {ROLE_STATIC_KV_CACHE}
     return PreparedAcceleration(
         name=PLUGIN_NAME,
@@ -88,10 +88,13 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         options=opts.to_json(),
         exact=True,
         notes=(
-            f"derived packed K/V weights add {derived_bytes} bytes; the original Parameters are kept",
+            (f"derived packed K/V weights add {derived_bytes} bytes; the original Parameters are kept"
+             if opts.pack else "pack=False: no derived weights (0 bytes added); the original projections compute "
+             "what the cache does not hold"),
             "static K/V computed once per (request, CFG branch, expert) and reused while the conditioning inputs "
             "and weights are unchanged",
-            "packed K/V checked bitwise against the separate projections on the first call of every input shape",
+            ("packed K/V checked bitwise against the separate projections on the first call of every input shape"
+             if opts.pack else "exact by construction: cached outputs of the original projections"),
         ),
     )
 
