@@ -92,3 +92,30 @@ def test_hits_are_steps_minus_one_per_branch(builders, registry, record, steps: 
         assert counters.get(f"kv_cache_hit.{branch}", 0) == (steps - 1) * 2
         assert counters[f"kv_cache_miss.{branch}"] == 2
     session.uninstall()
+
+
+def test_normalised_key_is_cached_and_follows_its_weight(wan, registry, record, builders) -> None:  # noqa: ANN001
+    session = install_diffusion_accelerations(wan.model, {"wan_cross_kv_fusion": {"min_tokens": 0}},
+                                              registry=registry)
+    norm = wan.model.blocks[0].attn2.norm_k
+    outputs: list[torch.Tensor] = []
+    hook = norm.register_forward_hook(lambda m, args, out: outputs.append(out))
+
+    def change(step: int) -> None:
+        if step == 2:
+            with torch.no_grad():
+                norm.weight.mul_(1.5)  # the cached normalisation is stale from here on
+
+    results = wan.run_request("r", 4, branches=("cond",), before_step=change)
+    hook.remove()
+    assert outputs[0] is outputs[1] and outputs[2] is outputs[3] and outputs[1] is not outputs[2]
+    rec = record(session, "r")
+    assert rec["modules"]["blocks.0.attn2.norm_k"] == {"computed_text_kv_norm": 2, "cached_text_kv_norm": 2}
+    assert rec["modules"]["blocks.1.attn2.norm_k"] == {"computed_text_kv_norm": 1, "cached_text_kv_norm": 3}
+    assert rec["counters"]["kv_cache_invalidated"] == 1
+    reference = builders()
+    reference.model.load_state_dict(wan.model.state_dict())
+    session.uninstall()
+    assert torch.equal(results[3], reference.call(3, "cond"))
+    assert torch.equal(outputs[3], norm(wan.model.blocks[0].attn2.to_k(
+        wan.model.condition_embedder(torch.tensor([0]), wan.prompts["cond"])[2])))

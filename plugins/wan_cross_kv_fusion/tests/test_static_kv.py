@@ -27,7 +27,8 @@ def test_cache_hits_per_branch_and_bitwise_outputs(wan, registry, record) -> Non
     session = install_diffusion_accelerations(wan.model, SPEC, registry=registry)
     plugin = session.receipt.plugins[0]
     assert plugin.exact is True
-    assert set(plugin.claims) == set(KV_PATHS) | {ROLE_STATIC_KV_CACHE}
+    norms = [f"blocks.{i}.attn2.norm_k" for i in (0, 1)]
+    assert set(plugin.claims) == set(KV_PATHS) | set(norms) | {ROLE_STATIC_KV_CACHE}
     assert inspect.signature(wan.model.blocks[0].attn2.to_k.forward) == signature
     handle = session.handles("wan_cross_kv_fusion")["model"]
 
@@ -41,6 +42,8 @@ def test_cache_hits_per_branch_and_bitwise_outputs(wan, registry, record) -> Non
         assert rec["modules"][path]["cached_text_kv"] == 2 * (steps - 1)
         assert rec["modules"][path].get("packed_text_kv", 0) + rec["module_fallbacks"].get(path, {}).get(
             "fused_gemm_not_bitwise", 0) == 2
+    for path in norms:  # the normalised key is cached with K/V
+        assert rec["modules"][path] == {"computed_text_kv_norm": 2, "cached_text_kv_norm": 2 * (steps - 1)}
     assert rec["claimed_not_executed"] == []
     assert rec["finished"] is True and rec["notes"]["kv_cache_entries_dropped"] == 2 * sites
     assert handle.cache.entries() == 0  # dropped at request end

@@ -9,6 +9,9 @@ Per cross-attention module and group (``text``: ``to_k``/``to_v``; ``image``: ``
   and reused while the conditioning inputs of the model call (identity, version, pointer, layout), the parameters
   of the text/image embedders and the K/V weights are unchanged; cached tensors are contiguous, so the processor's
   ``norm_k`` reads them exactly as it reads the dense projection's output;
+* the key normalisation the processor applies next (``norm_k`` / ``norm_added_k``) is static too: its output for
+  a cached key is cached with it (its weight is part of the validity key) and handed back when the processor
+  normalises that very key tensor again;
 * fewer key/value tokens than ``min_tokens``: the original projections run (dense bypass, counted).
 
 At a few thousand tokens a Wan forward is bound by the host as much as by the GPU, so everything that can be
@@ -50,6 +53,8 @@ from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 
 #: Ledger kind suffix per projection group.
 GROUP_KINDS = {"kv": "text_kv", "added_kv": "image_kv"}
+#: The module the Wan processor normalises each group's key with.
+KEY_NORMS = {"kv": "norm_k", "added_kv": "norm_added_k"}
 
 BELOW_MIN_TOKENS = "below_min_tokens"
 #: ``pack=False``: the original projections computed the pair (not a fallback: the configured path).
@@ -67,6 +72,7 @@ class PackedGroup:
     pack: DerivedPackedLinear | None
     projection: SharedInputProjection
     paths: tuple[str, ...]
+    norm_path: str | None = None
 
     @property
     def kind(self) -> str:
@@ -86,6 +92,7 @@ class _BranchState:
     slots: list[Hashable]
     hits: list[int]
     follows: list[int]
+    norm_hits: list[int]
     conditioning: tuple[Any, ...] | None = None
     epoch: int = 0
 
@@ -99,6 +106,10 @@ class _Fast:
     entries: dict[Hashable, CacheEntry]
     gens: list[int]
     handoff: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    #: (cached key, its cached normalisation) for the next key-norm call
+    norm_handoff: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: (group index, key just computed) whose normalisation is to be cached
+    norm_pending: tuple[int, torch.Tensor] | None = None
 
 
 class WanCrossKVHandle(RecordedHandle):
@@ -115,6 +126,7 @@ class WanCrossKVHandle(RecordedHandle):
         self.groups: dict[str, PackedGroup] = {}
         self._order: list[PackedGroup] = []
         self._watch: LinearSourceWatch | None = None
+        self._watched: list[tuple[nn.Module, ...]] = []
         self._versions = ContentVersions()
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -162,11 +174,14 @@ class WanCrossKVHandle(RecordedHandle):
             total = 0
             for packed in self._order:
                 i = packed.index
-                lead, follow = state.hits[i], state.follows[i]
-                if not lead and not follow:
+                lead, follow, norm = state.hits[i], state.follows[i], state.norm_hits[i]
+                if not lead and not follow and not norm:
                     continue
-                state.hits[i] = state.follows[i] = 0
+                state.hits[i] = state.follows[i] = state.norm_hits[i] = 0
                 kind = f"cached_{packed.kind}"
+                if norm and packed.norm_path is not None:
+                    self.ledger.executed(packed.norm_path, f"cached_{packed.kind}_norm", norm,
+                                         request_id=state.request_id)
                 if lead:
                     self.ledger.executed(packed.paths[0], kind, lead, request_id=state.request_id)
                 if follow:
@@ -241,14 +256,16 @@ class WanCrossKVHandle(RecordedHandle):
         if state is None:
             n = len(self._order)
             slots: list[Hashable] = [(branch, ctx.expert, p.key) for p in self._order]
-            state = _BranchState(ctx.request_id, branch, slots, [0] * n, [0] * n)
+            state = _BranchState(ctx.request_id, branch, slots, [0] * n, [0] * n, [0] * n)
             with self._lock:
                 self._states[key] = state
         return state
 
     # ------------------------------------------------------------------ projections
-    def add_group(self, recorder: PatchRecorder, group: ProjectionGroup) -> PackedGroup:
-        """Wrap the group's projections (lead: computes or serves the pair; follower: takes its part)."""
+    def add_group(self, recorder: PatchRecorder, group: ProjectionGroup, norm: nn.Module | None = None,
+                  norm_path: str | None = None) -> PackedGroup:
+        """Wrap the group's projections (lead: computes or serves the pair; follower: takes its part) and, when
+        given, the key normalisation that follows them (served from the cache for a cached key)."""
         modules = group.modules()
         if self.opts.pack:
             pack: DerivedPackedLinear | None = DerivedPackedLinear(modules)
@@ -256,10 +273,14 @@ class WanCrossKVHandle(RecordedHandle):
         else:
             pack = None
             projection = SharedInputProjection([m.out_features for m in modules], lambda: PACK_DISABLED)
-        packed = PackedGroup(len(self._order), group, pack, projection, group.paths())
+        packed = PackedGroup(len(self._order), group, pack, projection, group.paths(),
+                             norm_path if norm is not None else None)
         self.groups[packed.key] = packed
         self._order.append(packed)
-        self._watch = LinearSourceWatch([g.group.modules() for g in self._order])
+        self._watched.append((*modules, norm) if norm is not None else modules)
+        self._watch = LinearSourceWatch(self._watched)
+        if norm is not None:
+            recorder.wrap_forward(norm, lambda original: self._key_norm(packed.index, original), name=PLUGIN_NAME)
         originals: list[Callable[..., Any]] = [modules[0].forward]
         for index in range(1, len(modules)):
             originals.append(modules[index].forward)
@@ -281,6 +302,7 @@ class WanCrossKVHandle(RecordedHandle):
                         state.hits[index] += 1
                         tensors = entry.tensors
                         fast.handoff = (index, input, tensors[1])
+                        fast.norm_handoff = (tensors[0], tensors[2]) if len(tensors) == 3 else None
                         return tensors[0]
                     return self._fast_miss(fast, packed, input, members, entry)
                 return self._lead(packed, input, members)
@@ -306,10 +328,34 @@ class WanCrossKVHandle(RecordedHandle):
 
         return forward
 
+    def _key_norm(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(input: Any) -> Any:
+            fast = self._fast
+            if fast is not None and fast.owner == _get_ident():
+                handoff = fast.norm_handoff
+                if handoff is not None and handoff[0] is input:
+                    fast.norm_handoff = None
+                    fast.state.norm_hits[index] += 1
+                    return handoff[1]
+                pending = fast.norm_pending
+                if pending is not None and pending[0] == index and pending[1] is input:
+                    fast.norm_pending = None
+                    output = original(input)
+                    slot = fast.state.slots[index]
+                    entry = fast.entries.get(slot)
+                    if entry is not None and len(entry.tensors) == 2 and entry.tensors[0] is input:
+                        fast.entries[slot] = CacheEntry.of(entry.validity, (*entry.tensors, output))
+                    packed = self._order[index]
+                    self.ledger.executed(packed.norm_path, f"computed_{packed.kind}_norm")
+                    return output
+            return original(input)
+
+        return forward
+
     def _fast_miss(self, fast: _Fast, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]],
                    stale: CacheEntry | None) -> torch.Tensor:
         """Inside a validated forward: compute the pair and cache it (or bypass below ``min_tokens``)."""
-        fast.handoff = None
+        fast.handoff = fast.norm_handoff = fast.norm_pending = None
         if _tokens(x) < self.opts.min_tokens:
             return self._bypass(packed, x, members)
         state = fast.state
@@ -324,6 +370,8 @@ class WanCrossKVHandle(RecordedHandle):
         fast.entries[state.slots[packed.index]] = CacheEntry.of(
             (state.epoch, fast.gens[packed.index], x.shape), outputs)
         result = ProjectionResult(outputs, result.fused, result.reason, result.verified)
+        if packed.norm_path is not None:
+            fast.norm_pending = (packed.index, outputs[0])
         packed.projection.offer(x, result)
         self._record(packed, 0, result)
         return outputs[0]
@@ -368,4 +416,4 @@ def _tokens(x: torch.Tensor) -> int:
     return x.shape[-2] if x.dim() >= 2 else 1
 
 
-__all__ = ["BELOW_MIN_TOKENS", "GROUP_KINDS", "PACK_DISABLED", "PackedGroup", "WanCrossKVHandle"]
+__all__ = ["BELOW_MIN_TOKENS", "GROUP_KINDS", "KEY_NORMS", "PACK_DISABLED", "PackedGroup", "WanCrossKVHandle"]

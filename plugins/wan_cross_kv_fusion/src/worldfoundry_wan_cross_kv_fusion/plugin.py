@@ -30,7 +30,7 @@ from worldfoundry.core.acceleration.prepared import ROLE_OFFLOAD, ROLE_STATIC_KV
 from worldfoundry.core.attention.packed_storage import check_linears_packable
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import AccelerationRefusedError, ParameterPackingError
-from worldfoundry_wan_cross_kv_fusion.handle import WanCrossKVHandle
+from worldfoundry_wan_cross_kv_fusion.handle import KEY_NORMS, WanCrossKVHandle
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 
 logger = logging.getLogger(__name__)
@@ -66,24 +66,30 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             PLUGIN_NAME, "include_image=True but the model has no image K/V projections (not an I2V model)"
         )
     groups: list[ProjectionGroup] = []
+    norms: dict[int, tuple[str, nn.Module]] = {}
     for site in sites:
         check_attention_site(site, family, PLUGIN_NAME)
         for group in projection_groups(site, include_image=opts.include_image):
             named = group.named_modules()
+            norm = key_norm(group)
+            if norm is not None:
+                named = [*named, norm]
+                norms[len(groups)] = norm
             refuse_module_hooks(named, PLUGIN_NAME)
             try:
-                check_linears_packable(named, share_storage=False)
+                check_linears_packable(group.named_modules(), share_storage=False)
             except ParameterPackingError as exc:
                 raise AccelerationRefusedError(PLUGIN_NAME, f"cannot pack {group.name} of {site.path}: {exc}") from exc
             groups.append(group)
     derived_bytes = sum(m.weight.numel() * m.weight.element_size() + (m.bias.numel() * m.bias.element_size()
                                                                       if m.bias is not None else 0)
                         for g in groups for m in g.modules()) if opts.pack else 0
-    claims = {path for g in groups for path in g.paths()} | {ROLE_STATIC_KV_CACHE}
+    claims = {path for g in groups for path in g.paths()} | {path for path, _ in norms.values()}
+    claims.add(ROLE_STATIC_KV_CACHE)
     return PreparedAcceleration(
         name=PLUGIN_NAME,
         claims=frozenset(claims),
-        activate=lambda: activate(model, opts, groups),
+        activate=lambda: activate(model, opts, groups, norms),
         incompatible_with=frozenset({ROLE_OFFLOAD}),
         options=opts.to_json(),
         exact=True,
@@ -91,15 +97,28 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             (f"derived packed K/V weights add {derived_bytes} bytes; the original Parameters are kept"
              if opts.pack else "pack=False: no derived weights (0 bytes added); the original projections compute "
              "what the cache does not hold"),
-            "static K/V computed once per (request, CFG branch, expert) and reused while the conditioning inputs "
-            "and weights are unchanged",
+            "static K/V (and the normalised K) computed once per (request, CFG branch, expert) and reused while "
+            "the conditioning inputs and weights are unchanged",
             ("packed K/V checked bitwise against the separate projections on the first call of every input shape"
              if opts.pack else "exact by construction: cached outputs of the original projections"),
         ),
     )
 
 
-def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup]) -> WanCrossKVHandle:
+def key_norm(group: ProjectionGroup) -> tuple[str, nn.Module] | None:
+    """``(path, module)`` of the normalisation the Wan processor applies to the group's key, when it is one whose
+    output depends only on its input and its own parameters (RMSNorm / LayerNorm); ``None`` otherwise."""
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
+    name = KEY_NORMS[group.name]
+    module = getattr(group.site.module, name, None)
+    if not isinstance(module, (nn.RMSNorm, nn.LayerNorm, DiffusersRMSNorm)):
+        return None
+    return group.site.projection_path(name), module
+
+
+def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup],
+             norms: Mapping[int, tuple[str, nn.Module]]) -> WanCrossKVHandle:
     """Wrap the K/V projections and hook the model forward; undone on failure part-way."""
     handle = WanCrossKVHandle(model, opts, wan_conditioning_modules(model), wan_conditioning_positions(model))
     with PatchRecorder(PLUGIN_NAME) as recorder:
@@ -107,8 +126,9 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup]) -> 
                       f"{PLUGIN_NAME} conditioning pre-hook")
         recorder.hook(model.register_forward_hook(handle.exit_forward, always_call=True),
                       f"{PLUGIN_NAME} conditioning hook")
-        for group in groups:
-            handle.add_group(recorder, group)
+        for i, group in enumerate(groups):
+            norm_path, norm = norms.get(i, (None, None))
+            handle.add_group(recorder, group, norm, norm_path)
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle
