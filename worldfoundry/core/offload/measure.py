@@ -7,7 +7,11 @@ is bracketed by CUDA events (no host synchronisation between samples; one at the
 
 Compute samples call ``make_inputs()`` before the start event of each sample, so resetting the inputs
 (cloning the hidden states) is not part of the timed region. A compute sample is the mean of a few
-back-to-back calls, the way blocks follow each other in a forward.
+back-to-back calls, the way blocks follow each other in a forward. On CUDA the device is first kept busy
+(``torch.cuda._sleep``, about twice the host's enqueue time of one sample) before the start event, so all calls
+of the sample are queued when the timed region begins: c is the block's device time, not the pace at which
+the host launches kernels (which varies between hosts and between moments on one host, and which made c
+bimodal on launch-bound workloads).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class TimingSamples:
 
     samples_ms: tuple[float, ...]
     warmup: int
-    timer: str  # "cuda_events" | "perf_counter"
+    timer: str  # "cuda_events_primed" | "cuda_events" | "perf_counter"
 
     @property
     def median_ms(self) -> float:
@@ -89,10 +93,13 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
         for _ in range(warmup):
             block(**make_inputs())
         if device.type == "cuda":
+            cycles = _priming_cycles(block, make_inputs, device, k)
             pairs = []
             stream = torch.cuda.current_stream(device)
             for _ in range(samples):
                 batch = [make_inputs() for _ in range(k)]
+                if cycles:
+                    torch.cuda._sleep(cycles)  # the device spins while the host queues the whole sample
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
                 for inputs in batch:
@@ -101,7 +108,8 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
                 pairs.append((start, end))
                 del batch
             torch.cuda.synchronize(device)
-            return TimingSamples(tuple(s.elapsed_time(e) / k for s, e in pairs), warmup, "cuda_events")
+            timer = "cuda_events_primed" if cycles else "cuda_events"
+            return TimingSamples(tuple(s.elapsed_time(e) / k for s, e in pairs), warmup, timer)
         values = []
         for _ in range(samples):
             batch = [make_inputs() for _ in range(k)]
@@ -124,6 +132,31 @@ def _settle_clocks(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]
     while time.perf_counter() < deadline:
         block(**make_inputs())
         torch.cuda.synchronize(device)
+
+
+def _priming_cycles(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]], device: torch.device,
+                    calls: int) -> int:
+    """GPU spin cycles that keep the device busy for about twice the host time of queuing ``calls`` block calls
+    (plus 1 ms); 0 when this PyTorch has no ``torch.cuda._sleep``."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return 0
+    torch.cuda.synchronize(device)
+    batch = [make_inputs() for _ in range(calls)]
+    t0 = time.perf_counter()
+    for inputs in batch:
+        block(**inputs)
+    enqueue_ms = (time.perf_counter() - t0) * 1000.0
+    del batch
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    sleep(probe)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = probe / max(start.elapsed_time(end), 1e-3)
+    return int(cycles_per_ms * (2.0 * enqueue_ms + 1.0))
 
 
 def time_block_transfer(storage: HostBlockStorage, *, device: torch.device, warmup: int = DEFAULT_WARMUP,
