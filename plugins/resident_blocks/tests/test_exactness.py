@@ -163,3 +163,41 @@ def test_block_counts_are_current_mid_request_and_per_implicit_request(tiny, reg
     assert len(others) == 1
     assert sum(sum(kinds.values()) for kinds in requests[others[0]]["modules"].values()) == N
     session.uninstall()
+
+
+def test_streamed_call_sees_slot_parameters_and_originals_come_back(tiny, registry) -> None:  # noqa: ANN001
+    model = tiny.make_tiny_wan()
+    reference = tiny.wan_forward(model)
+    block = model.blocks[1]
+    originals = {name: p for name, p in block.named_parameters()}
+    seen: list[tuple[bool, bool]] = []
+
+    def inside(module, args, kwargs):  # noqa: ANN001, ANN202 - a pre-hook of a Linear inside the streamed block
+        weight = module.weight
+        seen.append((weight is not originals["attn1.to_q.weight"],
+                     torch.equal(weight, originals["attn1.to_q.weight"].detach())))
+
+    spec = {"resident_blocks": {"offload_resident_blocks": 0, "cpu_offload_block_contiguous": False}}
+    session = install_diffusion_accelerations(model, spec, registry=registry)
+    hook = block.attn1.to_q.register_forward_pre_hook(inside, with_kwargs=True)
+    outputs = tiny.run_request(model, "r", steps=1, branches=("cond",))
+    hook.remove()
+    assert torch.equal(outputs[0], reference)
+    assert seen == [(True, True)]  # a slot parameter with the master's values, inside the call only
+    assert all(p is originals[name] for name, p in block.named_parameters())
+    session.uninstall()
+    assert torch.equal(tiny.wan_forward(model), reference)
+
+
+def test_a_parameter_shared_inside_a_block_is_swapped_everywhere(tiny, registry) -> None:  # noqa: ANN001
+    model = tiny.make_tiny_wan()
+    for block in model.blocks:  # tie K to Q inside every block
+        block.attn1.to_k.weight = block.attn1.to_q.weight
+    reference = tiny.wan_forward(model)
+    spec = {"resident_blocks": {"offload_resident_blocks": 1, "cpu_offload_block_contiguous": True}}
+    session = install_diffusion_accelerations(model, spec, registry=registry)
+    for out in tiny.run_request(model, "r", steps=2):
+        assert torch.equal(out, reference)
+    assert all(b.attn1.to_k.weight is b.attn1.to_q.weight for b in model.blocks)
+    session.uninstall()
+    assert torch.equal(tiny.wan_forward(model), reference)
