@@ -386,6 +386,9 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
                  ("rb_r0_per_tensor", 0, False), ("rb_r0_contiguous", 0, True)]
         if args.smoke:  # tiny CPU blocks always estimate r = 0; exercise the resident path as well
             specs.append(("rb_r1_per_tensor", 1, False))
+        for extra_r in args.extra_r:  # a sweep around the estimate: how the ratio falls as r grows
+            for contiguous in (False, True):
+                specs.append((f"rb_r{extra_r}_{'contiguous' if contiguous else 'per_tensor'}", extra_r, contiguous))
         for vname, r, contiguous in specs:
             if r == 0 and vname.startswith("rb_est"):
                 continue  # the estimate is r = 0: the r0 variant of that layout is the same configuration
@@ -512,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forwards-w17", type=int, default=3, help="timed forwards per W17 request")
     parser.add_argument("--rounds-w81", type=int, default=3)
     parser.add_argument("--skip-h3", action="store_true")
+    parser.add_argument("--extra-r", default="", help="comma-separated further r values to time, both layouts")
     parser.add_argument("--h3-rows", type=int, default=16384)
     parser.add_argument("--h3-rounds", type=int, default=3)
     parser.add_argument("--time-budget-s", type=float, default=330.0,
@@ -522,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device; use --smoke for the CPU run", file=sys.stderr)
         return 2
     args.workloads = (args.workloads or ("S5,S9" if args.smoke else "W17,W81")).split(",")
+    args.extra_r = [int(r) for r in args.extra_r.split(",") if r.strip()]
     if args.smoke:
         args.rounds_w17, args.rounds_w81, args.forwards_w17, args.h3_rounds = 2, 2, 1, 2
         torch.set_num_threads(max(1, min(4, torch.get_num_threads())))

@@ -42,7 +42,13 @@ def test_cuda_bitwise_pinned_and_no_extra_syncs(tiny, registry, r: int, contiguo
     session = install_diffusion_accelerations(model, spec, registry=registry)
     handle = session.handles("resident_blocks")["model"]
     block = model.blocks[1]
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in block.parameters())
+    assert all(p.device.type == "cpu" for p in block.parameters())
+    # page-locked: exact-size cudaHostRegister (Tensor.is_pinned() only knows the caching host allocator in
+    # some PyTorch versions), or the caching pinned allocator as the logged fallback
+    engine = handle.engine
+    assert engine.pin_method in ("cuda_host_register", "pin_memory") and engine.pinned_bytes >= engine.host_bytes
+    if engine.pin_method == "pin_memory":
+        assert all(p.is_pinned() for p in block.parameters())
     assert all(p.device.type == "cuda" for p in model.proj_out.parameters())  # non-block weights stay
     guard_outputs = tiny.run_request(model, "warm", steps=1, inputs=inputs)
     assert all(torch.equal(out, reference) for out in guard_outputs)
