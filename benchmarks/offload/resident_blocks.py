@@ -10,6 +10,7 @@ For each Wan workload, in the same process and with interleaved rounds (the orde
 * ``resident``            the model fully on the GPU (anchor);
 * ``rb_est_per_tensor``   resident_blocks with the estimator's r (measured here, per-tensor layout);
 * ``rb_est_contiguous``   the same with one contiguous slab per block (its own estimate);
+* ``rb_est_u0.85_*``      the r the same measurements give under ``(N − r)·d ≤ 0.85·N·c`` (``--copy-utilisation``);
 * ``rb_r0_per_tensor`` / ``rb_r0_contiguous``  r = 0 (two slots only);
 * ``group_offload``       diffusers ``enable_group_offload(onload_device, offload_type="block_level",
                           num_blocks_per_group=1, use_stream=True)``.
@@ -315,21 +316,30 @@ def summarize(variants: list[Variant], block_total: int, inputs: dict[str, Any],
 
 
 # ------------------------------------------------------------------------------------------------ estimator
+#: Copy utilisations u reported next to the plain rule (u = 1); the u = 0.85 estimate is timed as well.
+COPY_UTILISATIONS = (1.0, 0.9, 0.85, 0.8)
+
+
 def run_estimator(recipe: str, frames: int, height: int, width: int, device: torch.device, dtype: str,
                   contiguous: bool, smoke: bool, rows: int | None = None) -> dict[str, Any]:
     from worldfoundry.cli.estimate_residency_cmd import measure
+    from worldfoundry.core.offload.estimator import resident_count
 
     with tempfile.TemporaryDirectory() as tmp:
         args = argparse.Namespace(
             recipe=recipe, checkpoint_dir=None, random_weights=True, frames=frames, height=height, width=width,
             sequence_length=rows, device=str(device), dtype=dtype, contiguous=contiguous, block_index=0,
-            warmup=1 if smoke else 3, samples=3 if smoke else 10, seed=0, out=tmp,
+            warmup=1 if smoke else 3, samples=3 if smoke else 10, seed=0, out=tmp, copy_utilisation=1.0,
         )
         estimate, _ = measure(args)
     report = estimate.to_report()
     keep = ("layout", "num_blocks", "compute_ms", "transfer_ms", "resident", "resident_block_indices",
             "transfer_gb_per_s", "block_bytes", "tokens", "pinned", "copies_per_block", "emulated")
-    return {k: report.get(k) for k in keep}
+    out = {k: report.get(k) for k in keep}
+    out["resident_at_utilisation"] = {  # the same measurements under the rule (N - r) * d <= u * N * c
+        str(u): resident_count(estimate.num_blocks, estimate.compute_ms, estimate.transfer_ms, copy_utilisation=u)
+        for u in COPY_UTILISATIONS}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -383,6 +393,8 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
         variants = [Variant("resident", model, "resident")]
         specs = [("rb_est_per_tensor", estimates["per_tensor"]["resident"], False),
                  ("rb_est_contiguous", estimates["contiguous"]["resident"], True),
+                 ("rb_est_u0.85_per_tensor", estimates["per_tensor"]["resident_at_utilisation"]["0.85"], False),
+                 ("rb_est_u0.85_contiguous", estimates["contiguous"]["resident_at_utilisation"]["0.85"], True),
                  ("rb_r0_per_tensor", 0, False), ("rb_r0_contiguous", 0, True)]
         if args.smoke:  # tiny CPU blocks always estimate r = 0; exercise the resident path as well
             specs.append(("rb_r1_per_tensor", 1, False))
@@ -498,7 +510,8 @@ def table(result: dict[str, Any]) -> str:
     for name, wl in result.get("wan", {}).get("workloads", {}).items():
         for layout, e in wl["estimates"].items():
             est_lines.append(f"{name} {layout}: c={e['compute_ms']:.3f} ms d={e['transfer_ms']:.3f} ms "
-                             f"N={e['num_blocks']} r={e['resident']} {e['resident_block_indices']}")
+                             f"N={e['num_blocks']} r={e['resident']} {e['resident_block_indices']}; "
+                             f"r at u = {e.get('resident_at_utilisation')}")
     if "h3" in result:
         e = result["h3"]["estimate"]
         est_lines.append(f"H3 {e['layout']}: c={e['compute_ms']:.3f} ms d={e['transfer_ms']:.3f} ms "

@@ -48,6 +48,10 @@ def test_estimate_errors_exit_2(tmp_path: Path, capsys) -> None:
     rc = main(["estimate-residency", "--recipe", "no-such-recipe", "--frames", "5", "--height", "32", "--width", "32",
                "--device", "cpu", "--out", str(tmp_path / "o")])
     assert rc == 2 and "no-such-recipe" in capsys.readouterr().err
+    rc = main(["estimate-residency", "--recipe", "tiny-wan2.1", "--frames", "5", "--height", "32", "--width", "32",
+               "--device", "cpu", "--copy-utilisation", "1.5", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--copy-utilisation" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before measuring or writing anything
 
 
 def test_estimate_sana_video(tmp_path: Path, capsys) -> None:

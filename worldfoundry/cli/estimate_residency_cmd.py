@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-index", type=int, default=0, help="which block to measure (default 0)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before sampling (default 3)")
     p.add_argument("--samples", type=int, default=10, help="timed samples; the median is used (default 10)")
+    p.add_argument("--copy-utilisation", type=float, default=1.0,
+                   help="u in (0, 1]: r is the smallest with (N - r) * d <= u * N * c (default 1; 0.85 leaves the "
+                        "two-slot copy pipeline slack, see docs/resident_blocks.md)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and activations")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     p.set_defaults(func=run)
@@ -68,6 +71,8 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         WorldFoundryError: bad recipe, missing weights or an unsupported family.
         ValueError: bad sizes or counts.
     """
+    if not 0.0 < args.copy_utilisation <= 1.0:
+        raise ValueError(f"--copy-utilisation must be in (0, 1], got {args.copy_utilisation}")
     import diffusers
     import torch
 
@@ -143,7 +148,8 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "created_at": datetime.now(timezone.utc).isoformat(),
     }
     estimate = estimate_residency(probe.num_blocks, compute.median_ms, transfer.median_ms,
-                                  contiguous=args.contiguous, context=context)
+                                  contiguous=args.contiguous, context=context,
+                                  copy_utilisation=args.copy_utilisation)
     paths = write_estimate(estimate, args.out)
     return estimate, paths
 

@@ -40,6 +40,19 @@ def test_r_grows_with_transfer_time(n: int, c: float, ratio: float) -> None:
     assert resident_count(n, c, c * ratio) <= resident_count(n, c, c * ratio * 1.5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(min_value=1, max_value=200), c=times, d=times,
+       u=st.floats(min_value=0.05, max_value=1.0, allow_nan=False))
+def test_copy_utilisation_scales_the_budget_and_only_adds_residents(n: int, c: float, d: float, u: float) -> None:
+    r = resident_count(n, c, d, copy_utilisation=u)
+    assert 0 <= r <= n
+    assert (n - r) * d <= n * (c * u) or r == n
+    if r > 0:
+        assert (n - (r - 1)) * d > n * (c * u)
+    assert r >= resident_count(n, c, d)  # a smaller share never keeps fewer blocks resident
+    assert resident_count(n, c, d, copy_utilisation=1.0) == resident_count(n, c, d)
+
+
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_uniform_indices_are_evenly_spread(data) -> None:
@@ -59,6 +72,7 @@ def test_uniform_indices_are_evenly_spread(data) -> None:
 
 def test_known_values() -> None:
     assert resident_count(30, 1.27, 1.8) == 9  # Wan-1.3B W17-like: d > c
+    assert resident_count(30, 1.27, 1.68, copy_utilisation=0.85) == 11  # with slack for the two-slot pipeline
     assert resident_count(50, 37.0, 23.4) == 0  # MiniMax-H3 at 16,384 rows: d < c
     assert resident_count(4, 0.0, 1.0) == 4
     assert resident_count(4, 1.0, 0.0) == 0
@@ -72,6 +86,12 @@ def test_known_values() -> None:
 def test_resident_count_rejects_bad_input(bad) -> None:
     with pytest.raises(ValueError):
         resident_count(*bad)
+
+
+@pytest.mark.parametrize("u", [0.0, -0.5, 1.5, float("nan"), True])
+def test_copy_utilisation_outside_the_unit_interval_is_rejected(u) -> None:
+    with pytest.raises(ValueError, match="copy_utilisation"):
+        resident_count(30, 1.0, 2.0, copy_utilisation=u)
 
 
 @pytest.mark.parametrize("n, r", [(-1, 0), (3, 4), (3, -1), (True, 0), (3, 1.0)])
@@ -95,3 +115,10 @@ def test_estimate_config_and_report(tmp_path) -> None:
     assert report["device"] == "cuda:0" and "re-estimate" in report["note"]
     markdown = paths["report_md"].read_text()
     assert "r = **9** of N = 30" in markdown and "re-estimate" in markdown
+
+
+def test_report_states_the_copy_utilisation(tmp_path) -> None:
+    est = estimate_residency(30, 1.27, 1.68, contiguous=True, copy_utilisation=0.85)
+    assert est.resident == 11 and est.copy_need_ms <= est.copy_budget_ms
+    report = json.loads(write_estimate(est, tmp_path)["report_json"].read_text())
+    assert report["copy_utilisation"] == 0.85 and "0.85 * N * c" in report["rule"]

@@ -10,6 +10,12 @@ holds; r is the smallest integer that satisfies it (0 when d ≤ c). The budget 
 slots a single copy can still make the compute wait, so r is an estimate, not a guarantee, and it does not
 account for free device memory (slots, non-block weights and activations also live there).
 
+``copy_utilisation`` u (default 1, the rule above) scales the budget to ``(N − r) · d ≤ u · N · c``. At u = 1 the
+copy stream is busy almost the whole forward; a two-slot pipeline cannot keep it that busy without the compute
+waiting now and then, and host-to-device DMA running next to the compute slows some kernels. Measured on an H200
+at W17 (Wan2.1-1.3B, 3,600 tokens): u = 1 gives r = 8–9 and 1.10–1.13× the resident forward, u = 0.85 gives
+r = 11 and 1.06–1.08× (``docs/performance.md``).
+
 The r resident blocks are spread evenly (:func:`uniform_resident_indices`) so the copy stream gets regular
 windows in which a resident block computes without needing a copy.
 """
@@ -66,19 +72,21 @@ def uniform_resident_indices(num_blocks: int, resident: int) -> list[int]:
     return [(i * num_blocks) // resident for i in range(resident)]
 
 
-def resident_count(num_blocks: int, compute_ms: float, transfer_ms: float) -> int:
-    """The smallest r in 0..N with (N − r) · d ≤ N · c.
+def resident_count(num_blocks: int, compute_ms: float, transfer_ms: float, *,
+                   copy_utilisation: float = 1.0) -> int:
+    """The smallest r in 0..N with (N − r) · d ≤ u · N · c.
 
     Args:
         num_blocks: N ≥ 1.
         compute_ms: c, compute time of one block (≥ 0, finite).
         transfer_ms: d, host-to-device time of one block (≥ 0, finite).
+        copy_utilisation: u in (0, 1], the share of the compute time the copies may fill (1: the plain rule).
 
     Returns:
         r (0 when d ≤ c, N when c = 0 and d > 0).
 
     Raises:
-        ValueError: N < 1 or a time that is negative or not finite.
+        ValueError: N < 1, a time that is negative or not finite, or u outside (0, 1].
 
     Example:
         >>> resident_count(30, compute_ms=1.27, transfer_ms=1.8)
@@ -89,7 +97,10 @@ def resident_count(num_blocks: int, compute_ms: float, transfer_ms: float) -> in
     for label, value in (("compute_ms", compute_ms), ("transfer_ms", transfer_ms)):
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
-    n, c, d = num_blocks, float(compute_ms), float(transfer_ms)
+    u = copy_utilisation
+    if isinstance(u, bool) or not isinstance(u, int | float) or not 0.0 < u <= 1.0:
+        raise ValueError(f"copy_utilisation must be a number in (0, 1], got {u!r}")
+    n, c, d = num_blocks, float(compute_ms) * float(u), float(transfer_ms)
     if d <= c:
         return 0
     # Start from the closed form and correct for floating-point rounding at the boundary.
@@ -110,6 +121,7 @@ class ResidencyEstimate:
         resident: r.
         indices: :func:`uniform_resident_indices` (N, r).
         contiguous: the layout d was measured in (``cpu_offload_block_contiguous``).
+        copy_utilisation: u of the rule ``(N − r) · d ≤ u · N · c``.
         context: what was measured (device, shapes, dtype, recipe, samples, ...), JSON-serialisable.
     """
 
@@ -120,6 +132,7 @@ class ResidencyEstimate:
     indices: tuple[int, ...]
     contiguous: bool
     context: Mapping[str, Any] = field(default_factory=dict)
+    copy_utilisation: float = 1.0
 
     @property
     def streamed(self) -> int:
@@ -127,8 +140,8 @@ class ResidencyEstimate:
 
     @property
     def copy_budget_ms(self) -> float:
-        """N · c: compute time per forward the copies may hide behind."""
-        return self.num_blocks * self.compute_ms
+        """u · N · c: compute time per forward the copies may hide behind."""
+        return self.copy_utilisation * self.num_blocks * self.compute_ms
 
     @property
     def copy_need_ms(self) -> float:
@@ -154,7 +167,9 @@ class ResidencyEstimate:
             "resident": self.resident,
             "streamed": self.streamed,
             "resident_block_indices": list(self.indices),
-            "rule": "smallest r with (N - r) * d <= N * c",
+            "rule": ("smallest r with (N - r) * d <= N * c" if self.copy_utilisation == 1.0
+                     else f"smallest r with (N - r) * d <= {self.copy_utilisation:g} * N * c"),
+            "copy_utilisation": self.copy_utilisation,
             "copy_need_ms_per_forward": round(self.copy_need_ms, 4),
             "copy_budget_ms_per_forward": round(self.copy_budget_ms, 4),
             "note": RE_ESTIMATE_NOTE,
@@ -162,9 +177,10 @@ class ResidencyEstimate:
 
 
 def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *, contiguous: bool,
-                       context: Mapping[str, Any] | None = None) -> ResidencyEstimate:
+                       context: Mapping[str, Any] | None = None,
+                       copy_utilisation: float = 1.0) -> ResidencyEstimate:
     """Compute r and its indices from measured c and d (see :func:`resident_count`)."""
-    r = resident_count(num_blocks, compute_ms, transfer_ms)
+    r = resident_count(num_blocks, compute_ms, transfer_ms, copy_utilisation=copy_utilisation)
     return ResidencyEstimate(
         num_blocks=num_blocks,
         compute_ms=float(compute_ms),
@@ -173,6 +189,7 @@ def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *
         indices=tuple(uniform_resident_indices(num_blocks, r)),
         contiguous=bool(contiguous),
         context=dict(context or {}),
+        copy_utilisation=float(copy_utilisation),
     )
 
 
@@ -188,7 +205,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
     ]
     keys = ("recipe", "device", "device_name", "dtype", "layout", "weights", "block_path", "block_bytes",
             "tokens", "input_shapes", "compute_ms", "transfer_ms", "transfer_gb_per_s", "warmup", "samples",
-            "copy_need_ms_per_forward", "copy_budget_ms_per_forward", "emulated", "torch", "diffusers")
+            "copy_utilisation", "copy_need_ms_per_forward", "copy_budget_ms_per_forward", "emulated", "torch",
+            "diffusers")
     for key in keys:
         if key in report:
             lines.append(f"| {key} | {report[key]} |")
