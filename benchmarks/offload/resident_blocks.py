@@ -334,7 +334,8 @@ def run_estimator(recipe: str, frames: int, height: int, width: int, device: tor
         estimate, _ = measure(args)
     report = estimate.to_report()
     keep = ("layout", "num_blocks", "compute_ms", "transfer_ms", "resident", "resident_block_indices",
-            "transfer_gb_per_s", "block_bytes", "tokens", "pinned", "copies_per_block", "emulated")
+            "transfer_gb_per_s", "block_bytes", "tokens", "pinned", "copies_per_block", "emulated",
+            "two_slot_predicted_copy_wait_ms_per_forward", "two_slot_resident_without_waits")
     out = {k: report.get(k) for k in keep}
     out["resident_at_utilisation"] = {  # the same measurements under the rule (N - r) * d <= u * N * c
         str(u): resident_count(estimate.num_blocks, estimate.compute_ms, estimate.transfer_ms, copy_utilisation=u)

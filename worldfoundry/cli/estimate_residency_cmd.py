@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
           f"{report['tokens']} tokens")
     print(f"c = {estimate.compute_ms:.3f} ms/block, d = {estimate.transfer_ms:.3f} ms/block, N = {estimate.num_blocks}")
     print(f"r = {estimate.resident} resident blocks {list(estimate.indices)}; {estimate.streamed} streamed")
+    wait = report["two_slot_predicted_copy_wait_ms_per_forward"]
+    if wait > 0:
+        print(f"two-slot schedule: the compute would wait about {wait:.2f} ms per forward for copies at this r; "
+              f"r = {report['two_slot_resident_without_waits']} predicts no wait (see docs/resident_blocks.md)")
     if report.get("emulated"):
         print("emulated mode (CPU): the times are CPU times and say nothing about a GPU")
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))

@@ -14,6 +14,8 @@ from worldfoundry.core.offload.estimator import (
     REPORT_MD_FILENAME,
     estimate_residency,
     resident_count,
+    resident_without_waits,
+    two_slot_copy_wait_ms,
     uniform_resident_indices,
     write_estimate,
 )
@@ -122,3 +124,33 @@ def test_report_states_the_copy_utilisation(tmp_path) -> None:
     assert est.resident == 11 and est.copy_need_ms <= est.copy_budget_ms
     report = json.loads(write_estimate(est, tmp_path)["report_json"].read_text())
     assert report["copy_utilisation"] == 0.85 and "0.85 * N * c" in report["rule"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(min_value=1, max_value=60), c=st.floats(min_value=0.01, max_value=10.0),
+       ratio=st.floats(min_value=0.0, max_value=4.0), data=st.data())
+def test_two_slot_schedule_predictions(n: int, c: float, ratio: float, data) -> None:
+    d = c * ratio
+    r = data.draw(st.integers(min_value=0, max_value=n))
+    wait = two_slot_copy_wait_ms(n, c, d, uniform_resident_indices(n, r))
+    assert wait >= 0.0
+    if d <= c or r == n:
+        assert wait == 0.0  # each copy hides behind one block's compute
+    # never less than what the total budget alone forces: the copies need (n - r) * d of copy-stream time
+    assert wait >= (n - r - 2) * d - n * c - 1e-6
+    r_free = resident_without_waits(n, c, d)
+    assert two_slot_copy_wait_ms(n, c, d, uniform_resident_indices(n, r_free)) == 0.0
+    if r_free > 0:
+        assert two_slot_copy_wait_ms(n, c, d, uniform_resident_indices(n, r_free - 1)) > 0.0
+    if d <= c:
+        assert r_free == 0
+
+
+def test_two_slot_known_values() -> None:
+    # W17 on the H200: the rule gives r = 8 and leaves runs of three streamed blocks, each waiting d - c
+    assert round(two_slot_copy_wait_ms(30, 1.27, 1.68, uniform_resident_indices(30, 8)), 2) == 2.46
+    assert resident_without_waits(30, 1.27, 1.68) == 10
+    assert resident_without_waits(50, 37.0, 23.4) == 0  # MiniMax-H3 at 16,384 rows
+    report = estimate_residency(30, 1.27, 1.68, contiguous=True).to_report()
+    assert report["two_slot_resident_without_waits"] == 10
+    assert report["two_slot_predicted_copy_wait_ms_per_forward"] > 2.0

@@ -18,6 +18,13 @@ u = 0.85 gives r = 11 and 1.06–1.09× (fastest samples of six runs, ``docs/per
 
 The r resident blocks are spread evenly (:func:`uniform_resident_indices`) so the copy stream gets regular
 windows in which a resident block computes without needing a copy.
+
+The budget ignores *when* a copy may run. With two slots, the copy of the j-th streamed block can start only
+after the (j − 2)-th has computed, so inside a run of three or more streamed blocks each copy has one block's
+compute to hide behind: when d > c the compute waits, however large the total budget.
+:func:`two_slot_copy_wait_ms` plays that schedule for given c, d and indices, and
+:func:`resident_without_waits` finds the smallest r for which it predicts no wait (for c < d ≤ 2c that is about
+N / 3: no run of three streamed blocks). The report gives both next to r, so a user sees what the rule leaves.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -112,6 +119,53 @@ def resident_count(num_blocks: int, compute_ms: float, transfer_ms: float, *,
     return r
 
 
+def two_slot_copy_wait_ms(num_blocks: int, compute_ms: float, transfer_ms: float, resident_indices: Sequence[int],
+                          *, slots: int = 2) -> float:
+    """Compute-stream wait per forward that the slot schedule predicts (ms).
+
+    Model: blocks run in index order, ``c`` each; streamed blocks are copied in that order on one copy stream, ``d``
+    each; a copy starts when the copy stream is free and its slot is free (the block ``slots`` streamed blocks
+    earlier has computed); a streamed block starts when the previous block has finished and its copy is done. The
+    first ``slots`` copies are taken as done when block 0 starts (they are issued when the forward begins, while the
+    model computes its embeddings). Host time, kernels slowed by the DMA and the model's non-block work are not
+    modelled.
+
+    Returns:
+        The forward's predicted length minus ``N · c`` (0 when ``d ≤ c`` or every block is resident).
+    """
+    resident = set(resident_indices)
+    streamed = [i for i in range(num_blocks) if i not in resident]
+    position = {block: j for j, block in enumerate(streamed)}
+    copy_done = [0.0] * len(streamed)
+    compute_end: dict[int, float] = {}
+    issued = min(slots, len(streamed))
+    copy_free = 0.0
+    t = 0.0
+    for block in range(num_blocks):
+        start = t
+        j = position.get(block)
+        if j is not None:
+            while issued <= j:
+                begin = max(copy_free, compute_end[streamed[issued - slots]])
+                copy_free = copy_done[issued] = begin + transfer_ms
+                issued += 1
+            start = max(t, copy_done[j])
+        t = compute_end[block] = start + compute_ms
+    wait = t - num_blocks * compute_ms
+    return wait if wait > 1e-9 * max(1.0, num_blocks * compute_ms) else 0.0  # below that: summation rounding
+
+
+def resident_without_waits(num_blocks: int, compute_ms: float, transfer_ms: float, *, slots: int = 2) -> int:
+    """The smallest r whose evenly spread resident blocks (:func:`uniform_resident_indices`) leave no predicted wait
+    (:func:`two_slot_copy_wait_ms`); 0 when ``d ≤ c``."""
+    resident_count(num_blocks, compute_ms, transfer_ms)  # validates the arguments
+    for r in range(num_blocks + 1):
+        if two_slot_copy_wait_ms(num_blocks, compute_ms, transfer_ms, uniform_resident_indices(num_blocks, r),
+                                 slots=slots) == 0.0:
+            return r
+    return num_blocks
+
+
 @dataclass(frozen=True)
 class ResidencyEstimate:
     """The estimator's answer and the measurements behind it.
@@ -158,6 +212,7 @@ class ResidencyEstimate:
         }
 
     def to_report(self) -> dict[str, Any]:
+        n, c, d = self.num_blocks, self.compute_ms, self.transfer_ms
         return {
             **dict(self.context),
             "layout": "contiguous" if self.contiguous else "per_tensor",
@@ -172,6 +227,8 @@ class ResidencyEstimate:
             "copy_utilisation": self.copy_utilisation,
             "copy_need_ms_per_forward": round(self.copy_need_ms, 4),
             "copy_budget_ms_per_forward": round(self.copy_budget_ms, 4),
+            "two_slot_predicted_copy_wait_ms_per_forward": round(two_slot_copy_wait_ms(n, c, d, self.indices), 4),
+            "two_slot_resident_without_waits": resident_without_waits(n, c, d),
             "note": RE_ESTIMATE_NOTE,
         }
 
@@ -205,7 +262,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
     ]
     keys = ("recipe", "device", "device_name", "dtype", "layout", "weights", "block_path", "block_bytes",
             "tokens", "input_shapes", "compute_ms", "transfer_ms", "transfer_gb_per_s", "warmup", "samples",
-            "copy_utilisation", "copy_need_ms_per_forward", "copy_budget_ms_per_forward", "emulated", "torch",
+            "copy_utilisation", "copy_need_ms_per_forward", "copy_budget_ms_per_forward",
+            "two_slot_predicted_copy_wait_ms_per_forward", "two_slot_resident_without_waits", "emulated", "torch",
             "diffusers")
     for key in keys:
         if key in report:
