@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,66 +49,17 @@ from worldfoundry.core.attention.packed_storage import DerivedPackedLinear
 from worldfoundry.core.attention.source_watch import LinearSourceWatch
 from worldfoundry.core.attention.static_kv_cache import CacheEntry, StaticKVCache
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
-
-#: Ledger kind suffix per projection group.
-GROUP_KINDS = {"kv": "text_kv", "added_kv": "image_kv"}
-#: The module the Wan processor normalises each group's key with.
-KEY_NORMS = {"kv": "norm_k", "added_kv": "norm_added_k"}
-
-BELOW_MIN_TOKENS = "below_min_tokens"
-#: ``pack=False``: the original projections computed the pair (not a fallback: the configured path).
-PACK_DISABLED = "pack_disabled"
+from worldfoundry_wan_cross_kv_fusion.runtime_state import (
+    BELOW_MIN_TOKENS,
+    GROUP_KINDS,
+    KEY_NORMS,
+    PACK_DISABLED,
+    BranchState,
+    ForwardGrant,
+    PackedGroup,
+)
 
 _get_ident = threading.get_ident
-
-
-@dataclass
-class PackedGroup:
-    """One K/V pair and its runtime objects (``pack`` is ``None`` with ``pack=False``)."""
-
-    index: int
-    group: ProjectionGroup
-    pack: DerivedPackedLinear | None
-    projection: SharedInputProjection
-    paths: tuple[str, ...]
-    norm_path: str | None = None
-
-    @property
-    def kind(self) -> str:
-        return GROUP_KINDS[self.group.name]
-
-    @property
-    def key(self) -> str:
-        return f"{self.group.site.path}:{self.kind}"
-
-
-@dataclass
-class _BranchState:
-    """One (request, CFG branch, expert): its conditioning epoch, cache slots and plain hit counters."""
-
-    request_id: str
-    branch: str
-    slots: list[Hashable]
-    hits: list[int]
-    follows: list[int]
-    norm_hits: list[int]
-    conditioning: tuple[Any, ...] | None = None
-    epoch: int = 0
-
-
-@dataclass
-class _Fast:
-    """What the calls of the validated forward running now (in ``owner``'s thread) may use."""
-
-    owner: int
-    state: _BranchState
-    entries: dict[Hashable, CacheEntry]
-    gens: list[int]
-    handoff: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    #: (cached key, its cached normalisation) for the next key-norm call
-    norm_handoff: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: (group index, key just computed) whose normalisation is to be cached
-    norm_pending: tuple[int, torch.Tensor] | None = None
 
 
 class WanCrossKVHandle(RecordedHandle):
@@ -131,8 +81,8 @@ class WanCrossKVHandle(RecordedHandle):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._active = 0
-        self._fast: _Fast | None = None
-        self._states: dict[tuple[str, str, Any], _BranchState] = {}
+        self._fast: ForwardGrant | None = None
+        self._states: dict[tuple[str, str, Any], BranchState] = {}
         self._epochs = itertools.count(1)  # conditioning epochs, unique over the handle's life
 
     # ------------------------------------------------------------------ lifecycle
@@ -232,7 +182,7 @@ class WanCrossKVHandle(RecordedHandle):
         if state.conditioning != key:
             state.conditioning = key
             state.epoch = next(self._epochs)
-        fast = _Fast(_get_ident(), state, self.cache.request_entries(ctx.request_id), self._watch.generations())
+        fast = ForwardGrant(_get_ident(), state, self.cache.request_entries(ctx.request_id), self._watch.generations())
         with self._lock:
             if self._active == 1:
                 self._fast = fast
@@ -249,14 +199,14 @@ class WanCrossKVHandle(RecordedHandle):
             if fast is not None and fast.owner == _get_ident():
                 self._fast = None
 
-    def _branch_state(self, ctx: RequestContext) -> _BranchState:
+    def _branch_state(self, ctx: RequestContext) -> BranchState:
         branch = ctx.branch or "none"
         key = (ctx.request_id, branch, ctx.expert)
         state = self._states.get(key)
         if state is None:
             n = len(self._order)
             slots: list[Hashable] = [(branch, ctx.expert, p.key) for p in self._order]
-            state = _BranchState(ctx.request_id, branch, slots, [0] * n, [0] * n, [0] * n)
+            state = BranchState(ctx.request_id, branch, slots, [0] * n, [0] * n, [0] * n)
             with self._lock:
                 self._states[key] = state
         return state
@@ -352,7 +302,7 @@ class WanCrossKVHandle(RecordedHandle):
 
         return forward
 
-    def _fast_miss(self, fast: _Fast, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]],
+    def _fast_miss(self, fast: ForwardGrant, packed: PackedGroup, x: torch.Tensor, members: Sequence[Callable[..., Any]],
                    stale: CacheEntry | None) -> torch.Tensor:
         """Inside a validated forward: compute the pair and cache it (or bypass below ``min_tokens``)."""
         fast.handoff = fast.norm_handoff = fast.norm_pending = None
