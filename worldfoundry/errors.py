@@ -19,8 +19,10 @@ class PolicyError(WorldFoundryError, ValueError):
 class AccelerationOptionsError(WorldFoundryError, ValueError):
     """The options given to one acceleration are invalid (unknown key, wrong type, out of range)."""
 
-    def __init__(self, plugin: str, message: str) -> None:
+    def __init__(self, plugin: str, message: str, *, path: str | None = None) -> None:
         self.plugin = plugin
+        #: JSON path of the bad value when known (``accelerations.easycache.threshold``).
+        self.path = path
         super().__init__(f"{plugin}: {message}")
 
 

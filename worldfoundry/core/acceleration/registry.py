@@ -29,6 +29,9 @@ class RegisteredAcceleration:
     distribution: str | None = None
     version: str | None = None
     entry_point: str | None = None
+    #: the plugin's options class (a :class:`~worldfoundry.core.acceleration.options.PluginOptions` subclass or
+    #: any class with ``from_mapping``), so tools validate options without a model.
+    options: type | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +114,7 @@ class AccelerationRegistry:
         name: str,
         prepare_factory: Callable[..., Any],
         *,
+        options: type | None = None,
         replace: bool = False,
         distribution: str | None = None,
         version: str | None = None,
@@ -118,11 +122,15 @@ class AccelerationRegistry:
     ) -> None:
         """Register ``prepare_factory(model, options, policy) -> PreparedAcceleration`` under ``name``.
 
+        Args:
+            options: the plugin's options class (``from_mapping(mapping, path=...)``); tools such as the bench
+                validate a spec with it before any model exists.
+
         Raises:
             DuplicateAccelerationError: ``name`` is taken and ``replace`` is false.
             TypeError: the factory is not callable or the name is not a non-empty string.
         """
-        _validate_registration(name, prepare_factory)
+        _validate_registration(name, prepare_factory, options)
         with self._lock:
             existing = self._entries.get(name)
             if existing is not None and not replace:
@@ -130,7 +138,8 @@ class AccelerationRegistry:
                 raise DuplicateAccelerationError(
                     f"acceleration {name!r} is already registered (by {origin}); pass replace=True to override"
                 )
-            self._entries[name] = RegisteredAcceleration(name, prepare_factory, distribution, version, entry_point)
+            self._entries[name] = RegisteredAcceleration(
+                name, prepare_factory, distribution, version, entry_point, _options_of(prepare_factory, options))
 
     def unregister(self, name: str) -> None:
         self._ensure_discovered()
@@ -198,14 +207,15 @@ class AccelerationRegistry:
             registered: list[str] = []
             staged: dict[str, RegisteredAcceleration] = {}
 
-            def register(name: str, prepare_factory: Callable[..., Any], *, replace: bool = False,
-                         _ep: Any = ep, _dist: str = dist_name, _ver: str = dist_version) -> None:
-                _validate_registration(name, prepare_factory)
+            def register(name: str, prepare_factory: Callable[..., Any], *, options: type | None = None,
+                         replace: bool = False, _ep: Any = ep, _dist: str = dist_name, _ver: str = dist_version) -> None:
+                _validate_registration(name, prepare_factory, options)
                 if not replace and (name in self._entries or name in staged):
                     raise DuplicateAccelerationError(
                         f"acceleration {name!r} registered twice (second time by {_dist}); pass replace=True"
                     )
-                staged[name] = RegisteredAcceleration(name, prepare_factory, _dist, _ver, f"{_ep.name} = {_ep.value}")
+                staged[name] = RegisteredAcceleration(
+                    name, prepare_factory, _dist, _ver, f"{_ep.name} = {_ep.value}", _options_of(prepare_factory, options))
                 registered.append(name)
 
             try:
@@ -240,11 +250,21 @@ class AccelerationRegistry:
             )
 
 
-def _validate_registration(name: Any, prepare_factory: Any) -> None:
+def _validate_registration(name: Any, prepare_factory: Any, options: Any = None) -> None:
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         raise TypeError(f"acceleration name must be a non-empty identifier-like string, got {name!r}")
     if not callable(prepare_factory):
         raise TypeError(f"prepare_factory for {name!r} must be callable")
+    if options is not None and not (isinstance(options, type) and callable(getattr(options, "from_mapping", None))):
+        raise TypeError(f"options for {name!r} must be a class with from_mapping (a worldfoundry.plugin.PluginOptions)")
+
+
+def _options_of(prepare_factory: Any, options: type | None) -> type | None:
+    """The explicit options class, else the legacy ``prepare.options_class`` attribute."""
+    if options is not None:
+        return options
+    legacy = getattr(prepare_factory, "options_class", None)
+    return legacy if isinstance(legacy, type) else None
 
 
 _DEFAULT_REGISTRY: AccelerationRegistry | None = None
