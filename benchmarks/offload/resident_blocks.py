@@ -8,9 +8,10 @@ Workloads (see shared GPU conventions): W17 and W81 on the Wan2.1-T2V-1.3B archi
 For each Wan workload, in the same process and with interleaved rounds (the order rotates every round):
 
 * ``resident``            the model fully on the GPU (anchor);
-* ``rb_est_per_tensor``   resident_blocks with the estimator's r (measured here, per-tensor layout);
+* ``rb_est_per_tensor``   resident_blocks with the estimator's default r (the two-slot schedule rule: the smallest r
+                          with no predicted copy wait), measured here, per-tensor layout;
 * ``rb_est_contiguous``   the same with one contiguous slab per block (its own estimate);
-* ``rb_est_u0.85_*``      the r the same measurements give under ``(N − r)·d ≤ 0.85·N·c`` (``--copy-utilisation``);
+* ``rb_budget_*``         the r the same measurements give under the budget rule ``(N − r)·d ≤ N·c`` (``--rule budget``);
 * ``rb_r0_per_tensor`` / ``rb_r0_contiguous``  r = 0 (two slots only);
 * ``group_offload``       diffusers ``enable_group_offload(onload_device, offload_type="block_level",
                           num_blocks_per_group=1, use_stream=True)``.
@@ -24,6 +25,7 @@ weights, so both fit on one H200).
 
 Usage:
     python benchmarks/offload/resident_blocks.py --out "$OUT"            # H200, about 4-5 minutes
+    python benchmarks/offload/resident_blocks.py --workloads W17 --runs 5 --skip-h3 --out "$OUT"   # 5 W17 runs
     python benchmarks/offload/resident_blocks.py --smoke --out /tmp/rb   # tiny models on the CPU (emulated)
 
 Writes ``resident_blocks.json`` and ``resident_blocks.md`` into ``--out`` and prints a short table last.
@@ -323,13 +325,14 @@ COPY_UTILISATIONS = (1.0, 0.9, 0.85, 0.8)
 def run_estimator(recipe: str, frames: int, height: int, width: int, device: torch.device, dtype: str,
                   contiguous: bool, smoke: bool, rows: int | None = None) -> dict[str, Any]:
     from worldfoundry.cli.estimate_residency_cmd import measure
-    from worldfoundry.core.offload.estimator import resident_count
+    from worldfoundry.core.offload.estimator import resident_count, resident_for_rule
 
     with tempfile.TemporaryDirectory() as tmp:
         args = argparse.Namespace(
             recipe=recipe, checkpoint_dir=None, random_weights=True, frames=frames, height=height, width=width,
             sequence_length=rows, device=str(device), dtype=dtype, contiguous=contiguous, block_index=0,
             warmup=1 if smoke else 3, samples=3 if smoke else 10, seed=0, out=tmp, copy_utilisation=1.0,
+            rule="schedule",
         )
         estimate, _ = measure(args)
     report = estimate.to_report()
@@ -337,6 +340,9 @@ def run_estimator(recipe: str, frames: int, height: int, width: int, device: tor
             "transfer_gb_per_s", "block_bytes", "tokens", "pinned", "copies_per_block", "emulated",
             "two_slot_predicted_copy_wait_ms_per_forward", "two_slot_resident_without_waits")
     out = {k: report.get(k) for k in keep}
+    out["rule"] = report.get("rule")
+    out["budget_resident"] = resident_for_rule(estimate.num_blocks, estimate.compute_ms, estimate.transfer_ms,
+                                               rule="budget")
     out["resident_at_utilisation"] = {  # the same measurements under the rule (N - r) * d <= u * N * c
         str(u): resident_count(estimate.num_blocks, estimate.compute_ms, estimate.transfer_ms, copy_utilisation=u)
         for u in COPY_UTILISATIONS}
@@ -385,7 +391,7 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
     out: dict[str, Any] = {"recipe": recipe, "block_bytes_total": total, "num_blocks": len(model.blocks),
                            "workloads": {}}
     for name in args.workloads:
-        frames, height, width = workloads[name]
+        frames, height, width = workloads[name.split("#")[0]]
         t0 = time.perf_counter()
         estimates = {layout: run_estimator(recipe, frames, height, width, device, dtype_name(dtype),
                                            layout == "contiguous", args.smoke)
@@ -394,8 +400,8 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
         variants = [Variant("resident", model, "resident")]
         specs = [("rb_est_per_tensor", estimates["per_tensor"]["resident"], False),
                  ("rb_est_contiguous", estimates["contiguous"]["resident"], True),
-                 ("rb_est_u0.85_per_tensor", estimates["per_tensor"]["resident_at_utilisation"]["0.85"], False),
-                 ("rb_est_u0.85_contiguous", estimates["contiguous"]["resident_at_utilisation"]["0.85"], True),
+                 ("rb_budget_per_tensor", estimates["per_tensor"]["budget_resident"], False),
+                 ("rb_budget_contiguous", estimates["contiguous"]["budget_resident"], True),
                  ("rb_r0_per_tensor", 0, False), ("rb_r0_contiguous", 0, True)]
         if args.smoke:  # tiny CPU blocks always estimate r = 0; exercise the resident path as well
             specs.append(("rb_r1_per_tensor", 1, False))
@@ -403,8 +409,10 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
             for contiguous in (False, True):
                 specs.append((f"rb_r{extra_r}_{'contiguous' if contiguous else 'per_tensor'}", extra_r, contiguous))
         for vname, r, contiguous in specs:
-            if r == 0 and vname.startswith("rb_est"):
+            if r == 0 and vname.startswith(("rb_est", "rb_budget")):
                 continue  # the estimate is r = 0: the r0 variant of that layout is the same configuration
+            if vname.startswith("rb_budget") and r == estimates["contiguous" if contiguous else "per_tensor"]["resident"]:
+                continue  # both rules give the same r: rb_est is that configuration
             clone = twin(model, WanTransformer3DModel, config)
             facts = install(clone, r, contiguous)
             variants.append(Variant(vname, clone, "plugin", r, "contiguous" if contiguous else "per_tensor",
@@ -417,8 +425,9 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
         except Exception as exc:  # e.g. streams on the CPU smoke run
             out.setdefault("notes", []).append(f"group offloading unavailable: {type(exc).__name__}: {exc}")
         setup_s = time.perf_counter() - t0
-        rounds = args.rounds_w17 if name in ("W17", "S5") else args.rounds_w81
-        forwards = args.forwards_w17 if name in ("W17", "S5") else 1
+        short = name.split("#")[0] in ("W17", "S5")
+        rounds = args.rounds_w17 if short else args.rounds_w81
+        forwards = args.forwards_w17 if short else 1
         interleave(variants, inputs, rounds, forwards, timer, name)
         rows = summarize(variants, total, inputs, device, name)
         syncs = {v.name: count_host_syncs(device, lambda v=v: sync_probe(v, inputs, f"{name}-{v.name}-sync"))
@@ -511,13 +520,31 @@ def table(result: dict[str, Any]) -> str:
     for name, wl in result.get("wan", {}).get("workloads", {}).items():
         for layout, e in wl["estimates"].items():
             est_lines.append(f"{name} {layout}: c={e['compute_ms']:.3f} ms d={e['transfer_ms']:.3f} ms "
-                             f"N={e['num_blocks']} r={e['resident']} {e['resident_block_indices']}; "
-                             f"r at u = {e.get('resident_at_utilisation')}")
+                             f"N={e['num_blocks']} r={e['resident']} (rule {e.get('rule')}) "
+                             f"{e['resident_block_indices']}; budget-rule r={e.get('budget_resident')}; "
+                             f"budget r at u = {e.get('resident_at_utilisation')}")
     if "h3" in result:
         e = result["h3"]["estimate"]
         est_lines.append(f"H3 {e['layout']}: c={e['compute_ms']:.3f} ms d={e['transfer_ms']:.3f} ms "
                          f"N={e['num_blocks']} r={e['resident']} (block {e['block_bytes'] / 1e6:.0f} MB)")
-    return "\n".join(lines + [""] + est_lines)
+    return "\n".join(lines + [""] + est_lines + [""] + run_medians(result))
+
+
+def run_medians(result: dict[str, Any]) -> list[str]:
+    """Median over repeated runs (``--runs``) of each variant's ratio to resident, per workload."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for name, wl in result.get("wan", {}).get("workloads", {}).items():
+        for row in wl["variants"]:
+            ratios.setdefault((name.split("#")[0], row["variant"]), []).append(row["ratio_vs_resident"])
+    lines = []
+    for (workload, variant), values in sorted(ratios.items()):
+        if len(values) > 1:
+            values = sorted(values)
+            mid = len(values) // 2
+            median = values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+            lines.append(f"{workload} {variant}: median × resident over {len(values)} runs {median:.3f} "
+                         f"(min {values[0]:.3f}, max {values[-1]:.3f})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forwards-w17", type=int, default=3, help="timed forwards per W17 request")
     parser.add_argument("--rounds-w81", type=int, default=3)
     parser.add_argument("--skip-h3", action="store_true")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat each workload this many times in the process (fresh estimates each run)")
     parser.add_argument("--extra-r", default="", help="comma-separated further r values to time, both layouts")
     parser.add_argument("--h3-rows", type=int, default=16384)
     parser.add_argument("--h3-rounds", type=int, default=3)
@@ -539,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --smoke for the CPU run", file=sys.stderr)
         return 2
-    args.workloads = (args.workloads or ("S5,S9" if args.smoke else "W17,W81")).split(",")
+    base = (args.workloads or ("S5,S9" if args.smoke else "W17,W81")).split(",")
+    args.workloads = [w if args.runs == 1 else f"{w}#{i + 1}" for w in base for i in range(max(1, args.runs))]
     args.extra_r = [int(r) for r in args.extra_r.split(",") if r.strip()]
     if args.smoke:
         args.rounds_w17, args.rounds_w81, args.forwards_w17, args.h3_rounds = 2, 2, 1, 2

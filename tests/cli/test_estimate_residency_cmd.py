@@ -27,7 +27,10 @@ def test_estimate_writes_config_and_report(tmp_path: Path, capsys) -> None:
     assert "emulated" in printed and "r = " in printed
     config = json.loads((out / CONFIG_FILENAME).read_text())
     assert set(config) == {"offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices",
-                           "num_blocks"}
+                           "num_blocks", "estimate"}
+    assert config["estimate"]["rule"] == "schedule"
+    assert config["offload_resident_blocks"] == config["estimate"]["schedule_resident"]
+    assert "rules: schedule r = " in printed
     assert config["num_blocks"] == 2 and config["cpu_offload_block_contiguous"] is True
     assert len(config["resident_block_indices"]) == config["offload_resident_blocks"]
     report = json.loads((out / REPORT_JSON_FILENAME).read_text())
@@ -64,3 +67,14 @@ def test_estimate_sana_video(tmp_path: Path, capsys) -> None:
     assert report["input_shapes"]["timestep"]["shape"][1] == 1 and report["compute_ms"] > 0
     config = json.loads((out / CONFIG_FILENAME).read_text())
     assert config["num_blocks"] == report["num_blocks"]
+
+
+def test_budget_rule_from_the_command_line(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "budget"
+    rc = main(["estimate-residency", "--recipe", "tiny-wan2.1", "--frames", "5", "--height", "32", "--width", "32",
+               "--device", "cpu", "--dtype", "float32", "--rule", "budget", "--warmup", "1", "--samples", "2",
+               "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    config = json.loads((out / CONFIG_FILENAME).read_text())
+    assert config["estimate"]["rule"] == "budget"
+    assert config["offload_resident_blocks"] == config["estimate"]["budget_resident"]

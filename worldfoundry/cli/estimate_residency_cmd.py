@@ -27,7 +27,8 @@ def add_parser(subparsers: Any) -> None:
         help="measure one DiT block (compute c, host-to-device d) and write the resident_blocks config",
         description="Measure the compute time c and the pinned host-to-device transfer time d of one real block "
                     "of the recipe's DiT at the request's shape, then write the resident_blocks config with the "
-                    "smallest r such that (N - r) * d <= N * c, and a report. Re-estimate when the device, "
+                    "smallest r for which the two-slot copy schedule predicts no compute wait (--rule budget: the "
+                    "smallest r with (N - r) * d <= N * c), and a report. Re-estimate when the device, "
                     "weights, shape, dtype, layout or kernels change.",
     )
     p.add_argument("--recipe", required=True, help="recipe name or YAML path, or a diffusers transformer config.json")
@@ -46,9 +47,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-index", type=int, default=0, help="which block to measure (default 0)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before sampling (default 3)")
     p.add_argument("--samples", type=int, default=10, help="timed samples; the median is used (default 10)")
+    p.add_argument("--rule", choices=("schedule", "budget"), default="schedule",
+                   help="schedule (default): the smallest r whose two-slot copy schedule predicts no compute wait; "
+                        "budget: the smallest r with (N - r) * d <= u * N * c. The config records both.")
     p.add_argument("--copy-utilisation", type=float, default=1.0,
-                   help="u in (0, 1]: r is the smallest with (N - r) * d <= u * N * c (default 1; 0.85 leaves the "
-                        "two-slot copy pipeline slack, see docs/resident_blocks.md)")
+                   help="u in (0, 1]: the share of each block's compute the copies may fill, under either rule "
+                        "(default 1; see docs/resident_blocks.md)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and activations")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     p.set_defaults(func=run)
@@ -149,7 +153,8 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     }
     estimate = estimate_residency(probe.num_blocks, compute.median_ms, transfer.median_ms,
                                   contiguous=args.contiguous, context=context,
-                                  copy_utilisation=args.copy_utilisation)
+                                  copy_utilisation=args.copy_utilisation,
+                                  rule=getattr(args, "rule", "schedule"))
     paths = write_estimate(estimate, args.out)
     return estimate, paths
 
@@ -166,7 +171,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"device {report['device_name']} ({report['device']}), dtype {report['dtype']}, layout {report['layout']}, "
           f"{report['tokens']} tokens")
     print(f"c = {estimate.compute_ms:.3f} ms/block, d = {estimate.transfer_ms:.3f} ms/block, N = {estimate.num_blocks}")
-    print(f"r = {estimate.resident} resident blocks {list(estimate.indices)}; {estimate.streamed} streamed")
+    print(f"r = {estimate.resident} resident blocks {list(estimate.indices)}; {estimate.streamed} streamed "
+          f"(rule {estimate.rule}: {report['rule_text']})")
+    rules = report["rules"]
+    print("rules: " + "; ".join(f"{name} r = {rules[f'{name}_resident']} (predicted copy wait "
+                                f"{rules[f'{name}_predicted_copy_wait_ms']:.2f} ms per forward)"
+                                for name in ("schedule", "budget")))
     wait = report["two_slot_predicted_copy_wait_ms_per_forward"]
     if wait > 0:
         print(f"two-slot schedule: the compute would wait about {wait:.2f} ms per forward for copies at this r; "

@@ -17,7 +17,7 @@ from worldfoundry.core.acceleration.registry import PLUGIN_ALLOWLIST_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-EXPECTED = ["9 [0, 3, 6, 10, 13, 16, 20, 23, 26]", "[0] [1, 1, 1, 1, 1, 1] True", "(2, 2) ((1, 0), (3, 1)) 1"]
+EXPECTED = ["10 [0, 3, 6, 9, 12, 15, 18, 21, 24, 27] 9", "[0] [1, 1, 1, 1, 1, 1] True", "(2, 2) ((1, 0), (3, 1)) 1"]
 
 
 @pytest.mark.parametrize("page", ["docs/resident_blocks.md", "docs/zh/resident_blocks.md"])

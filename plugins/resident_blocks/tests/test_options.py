@@ -82,6 +82,18 @@ def test_config_file_form(tmp_path) -> None:
         opts.resolve_indices(6)
 
 
+def test_the_runner_reads_either_rules_config(tmp_path) -> None:
+    from worldfoundry.core.offload.estimator import estimate_residency, write_estimate
+
+    for rule, r in (("schedule", 10), ("budget", 9)):
+        path = write_estimate(estimate_residency(30, 1.27, 1.8, contiguous=True, rule=rule), tmp_path / rule)["config"]
+        opts = Options.from_mapping({"config": str(path)})
+        assert opts.offload_resident_blocks == r and opts.resolve_indices(30) == tuple(json.loads(
+            path.read_text())["resident_block_indices"])
+    with pytest.raises(AccelerationOptionsError, match="estimate must be a JSON object"):
+        Options.from_mapping({"config": _write(tmp_path, {"offload_resident_blocks": 1, "estimate": [1]})})
+
+
 def test_explicit_keys_override_the_config_file(tmp_path) -> None:
     path = _write(tmp_path, {"offload_resident_blocks": 2, "cpu_offload_block_contiguous": True,
                              "resident_block_indices": [1, 3], "num_blocks": 4})

@@ -1,4 +1,4 @@
-"""Estimator maths: r from (N − r)·d ≤ N·c and evenly spread resident indices (property tests)."""
+"""Estimator maths: r from the two-slot schedule (default) or (N − r)·d ≤ N·c, evenly spread indices (property tests)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from worldfoundry.core.offload.estimator import (
     CONFIG_FILENAME,
     REPORT_JSON_FILENAME,
     REPORT_MD_FILENAME,
+    RULES,
     estimate_residency,
     resident_count,
+    resident_for_rule,
     resident_without_waits,
     two_slot_copy_wait_ms,
     uniform_resident_indices,
@@ -104,26 +106,63 @@ def test_uniform_indices_reject_bad_input(n, r) -> None:
 
 def test_estimate_config_and_report(tmp_path) -> None:
     est = estimate_residency(30, 1.27, 1.8, contiguous=True, context={"device": "cuda:0", "dtype": "bfloat16"})
-    assert est.resident == 9 and est.streamed == 21
-    assert est.indices == tuple(uniform_resident_indices(30, 9))
-    assert est.copy_need_ms <= est.copy_budget_ms
+    assert est.rule == "schedule" and est.resident == 10 and est.streamed == 20  # the default rule
+    assert est.indices == tuple(uniform_resident_indices(30, 10))
     paths = write_estimate(est, tmp_path / "out")
     assert {p.name for p in paths.values()} == {CONFIG_FILENAME, REPORT_JSON_FILENAME, REPORT_MD_FILENAME}
     config = json.loads(paths["config"].read_text())
-    assert config == {"offload_resident_blocks": 9, "cpu_offload_block_contiguous": True,
-                      "resident_block_indices": list(est.indices), "num_blocks": 30}
+    assert config == {"offload_resident_blocks": 10, "cpu_offload_block_contiguous": True,
+                      "resident_block_indices": list(est.indices), "num_blocks": 30,
+                      "estimate": {"rule": "schedule", "num_blocks": 30, "compute_ms": 1.27, "transfer_ms": 1.8,
+                                   "copy_utilisation": 1.0, "schedule_resident": 10,
+                                   "schedule_predicted_copy_wait_ms": 0.0, "budget_resident": 9,
+                                   "budget_predicted_copy_wait_ms": 1.59}}
     report = json.loads(paths["report_json"].read_text())
     assert report["compute_ms"] == 1.27 and report["transfer_ms"] == 1.8 and report["layout"] == "contiguous"
     assert report["device"] == "cuda:0" and "re-estimate" in report["note"]
+    assert report["rule"] == "schedule" and report["rules"]["budget_resident"] == 9
     markdown = paths["report_md"].read_text()
-    assert "r = **9** of N = 30" in markdown and "re-estimate" in markdown
+    assert "r = **10** of N = 30" in markdown and "re-estimate" in markdown
+    assert "| schedule (used) | 10 | 0.0 |" in markdown and "| budget | 9 | 1.59 |" in markdown
+
+
+def test_budget_rule_stays_available(tmp_path) -> None:
+    est = estimate_residency(30, 1.27, 1.8, contiguous=True, rule="budget")
+    assert est.resident == 9 and est.streamed == 21 and est.copy_need_ms <= est.copy_budget_ms
+    config = json.loads(write_estimate(est, tmp_path)["config"].read_text())
+    assert config["offload_resident_blocks"] == 9 and config["estimate"]["rule"] == "budget"
+    assert config["estimate"]["schedule_resident"] == 10
 
 
 def test_report_states_the_copy_utilisation(tmp_path) -> None:
-    est = estimate_residency(30, 1.27, 1.68, contiguous=True, copy_utilisation=0.85)
+    est = estimate_residency(30, 1.27, 1.68, contiguous=True, copy_utilisation=0.85, rule="budget")
     assert est.resident == 11 and est.copy_need_ms <= est.copy_budget_ms
     report = json.loads(write_estimate(est, tmp_path)["report_json"].read_text())
-    assert report["copy_utilisation"] == 0.85 and "0.85 * N * c" in report["rule"]
+    assert report["copy_utilisation"] == 0.85 and "0.85 * c" in report["rule_text"]
+    schedule = estimate_residency(30, 1.27, 1.68, contiguous=True, copy_utilisation=0.85)
+    assert schedule.resident == resident_without_waits(30, 1.27 * 0.85, 1.68)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(min_value=1, max_value=60), c=st.floats(min_value=0.0, max_value=10.0),
+       ratio=st.floats(min_value=0.0, max_value=6.0), u=st.floats(min_value=0.05, max_value=1.0),
+       rule=st.sampled_from(RULES))
+def test_both_rules_keep_r_in_range_and_zero_when_copies_hide(n: int, c: float, ratio: float, u: float,
+                                                               rule: str) -> None:
+    d = c * ratio
+    r = resident_for_rule(n, c, d, rule=rule, copy_utilisation=u)
+    assert 0 <= r <= n
+    if d <= c * u:
+        assert r == 0  # every copy hides behind one block's compute
+    if rule == "schedule":
+        assert two_slot_copy_wait_ms(n, c * u, d, uniform_resident_indices(n, r)) == 0.0
+    else:
+        assert r == resident_count(n, c, d, copy_utilisation=u)
+
+
+def test_unknown_rule_is_rejected() -> None:
+    with pytest.raises(ValueError, match="rule"):
+        resident_for_rule(30, 1.0, 2.0, rule="fastest")
 
 
 @settings(max_examples=60, deadline=None)
@@ -151,6 +190,8 @@ def test_two_slot_known_values() -> None:
     assert round(two_slot_copy_wait_ms(30, 1.27, 1.68, uniform_resident_indices(30, 8)), 2) == 2.46
     assert resident_without_waits(30, 1.27, 1.68) == 10
     assert resident_without_waits(50, 37.0, 23.4) == 0  # MiniMax-H3 at 16,384 rows
-    report = estimate_residency(30, 1.27, 1.68, contiguous=True).to_report()
+    report = estimate_residency(30, 1.27, 1.68, contiguous=True, rule="budget").to_report()
     assert report["two_slot_resident_without_waits"] == 10
-    assert report["two_slot_predicted_copy_wait_ms_per_forward"] > 2.0
+    assert report["two_slot_predicted_copy_wait_ms_per_forward"] > 2.0  # what the budget rule leaves
+    default = estimate_residency(30, 1.27, 1.68, contiguous=True).to_report()
+    assert default["resident"] == 10 and default["two_slot_predicted_copy_wait_ms_per_forward"] == 0.0

@@ -24,7 +24,15 @@ after the (j − 2)-th has computed, so inside a run of three or more streamed b
 compute to hide behind: when d > c the compute waits, however large the total budget.
 :func:`two_slot_copy_wait_ms` plays that schedule for given c, d and indices, and
 :func:`resident_without_waits` finds the smallest r for which it predicts no wait (for c < d ≤ 2c that is about
-N / 3: no run of three streamed blocks). The report gives both next to r, so a user sees what the rule leaves.
+N / 3: no run of three streamed blocks).
+
+Two rules choose r (``rule``):
+
+* ``"schedule"`` (the default): the smallest r for which the two-slot schedule predicts no copy wait, with the
+  compute share scaled by the copy utilisation u (:func:`resident_without_waits` on ``u · c`` and ``d``);
+* ``"budget"``: the budget rule ``(N − r) · d ≤ u · N · c`` (:func:`resident_count`).
+
+The config and the report record both r values, their predicted waits, c, d, N and the rule used.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ from typing import Any, Final
 CONFIG_FILENAME: Final = "resident_blocks_config.json"
 REPORT_JSON_FILENAME: Final = "resident_blocks_report.json"
 REPORT_MD_FILENAME: Final = "resident_blocks_report.md"
+
+#: The rules that choose r; :data:`DEFAULT_RULE` is the two-slot schedule model.
+RULES: Final = ("schedule", "budget")
+DEFAULT_RULE: Final = "schedule"
 
 RE_ESTIMATE_NOTE: Final = (
     "re-estimate when the device, the weights, the input shape (frames/height/width), the dtype, the layout "
@@ -166,6 +178,28 @@ def resident_without_waits(num_blocks: int, compute_ms: float, transfer_ms: floa
     return num_blocks
 
 
+def resident_for_rule(num_blocks: int, compute_ms: float, transfer_ms: float, *, rule: str = DEFAULT_RULE,
+                      copy_utilisation: float = 1.0) -> int:
+    """r under ``rule`` (``"schedule"``: no predicted two-slot wait with ``u · c``; ``"budget"``: ``(N − r)·d ≤ u·N·c``).
+
+    Returns:
+        r in ``0..N`` (0 whenever ``d ≤ u · c``).
+
+    Raises:
+        ValueError: an unknown rule or an argument :func:`resident_count` rejects.
+
+    Example:
+        >>> resident_for_rule(30, 1.27, 1.8, rule="budget"), resident_for_rule(30, 1.27, 1.8)
+        (9, 10)
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {list(RULES)}, got {rule!r}")
+    budget_r = resident_count(num_blocks, compute_ms, transfer_ms, copy_utilisation=copy_utilisation)
+    if rule == "budget":
+        return budget_r
+    return resident_without_waits(num_blocks, float(compute_ms) * float(copy_utilisation), transfer_ms)
+
+
 @dataclass(frozen=True)
 class ResidencyEstimate:
     """The estimator's answer and the measurements behind it.
@@ -175,7 +209,8 @@ class ResidencyEstimate:
         resident: r.
         indices: :func:`uniform_resident_indices` (N, r).
         contiguous: the layout d was measured in (``cpu_offload_block_contiguous``).
-        copy_utilisation: u of the rule ``(N − r) · d ≤ u · N · c``.
+        copy_utilisation: u (scales the compute share both rules may fill with copies).
+        rule: ``"schedule"`` or ``"budget"`` (see the module docstring).
         context: what was measured (device, shapes, dtype, recipe, samples, ...), JSON-serialisable.
     """
 
@@ -187,6 +222,7 @@ class ResidencyEstimate:
     contiguous: bool
     context: Mapping[str, Any] = field(default_factory=dict)
     copy_utilisation: float = 1.0
+    rule: str = DEFAULT_RULE
 
     @property
     def streamed(self) -> int:
@@ -202,13 +238,26 @@ class ResidencyEstimate:
         """(N − r) · d: copy time per forward."""
         return self.streamed * self.transfer_ms
 
+    def rule_comparison(self) -> dict[str, Any]:
+        """Both rules' r for these measurements, with the two-slot wait each predicts (ms per forward)."""
+        n, c, d, u = self.num_blocks, self.compute_ms, self.transfer_ms, self.copy_utilisation
+        out: dict[str, Any] = {"rule": self.rule, "num_blocks": n, "compute_ms": round(c, 4),
+                               "transfer_ms": round(d, 4), "copy_utilisation": u}
+        for name in RULES:
+            r = resident_for_rule(n, c, d, rule=name, copy_utilisation=u)
+            out[f"{name}_resident"] = r
+            out[f"{name}_predicted_copy_wait_ms"] = round(
+                two_slot_copy_wait_ms(n, c, d, uniform_resident_indices(n, r)), 4)
+        return out
+
     def to_config(self) -> dict[str, Any]:
-        """The inference config (``{"resident_blocks": {"config": <path>}}`` reads it)."""
+        """The inference config (``{"resident_blocks": {"config": <path>}}`` reads it); ``estimate`` is informative."""
         return {
             "offload_resident_blocks": self.resident,
             "cpu_offload_block_contiguous": self.contiguous,
             "resident_block_indices": list(self.indices),
             "num_blocks": self.num_blocks,
+            "estimate": self.rule_comparison(),
         }
 
     def to_report(self) -> dict[str, Any]:
@@ -222,8 +271,9 @@ class ResidencyEstimate:
             "resident": self.resident,
             "streamed": self.streamed,
             "resident_block_indices": list(self.indices),
-            "rule": ("smallest r with (N - r) * d <= N * c" if self.copy_utilisation == 1.0
-                     else f"smallest r with (N - r) * d <= {self.copy_utilisation:g} * N * c"),
+            "rule": self.rule,
+            "rule_text": _rule_text(self.rule, self.copy_utilisation),
+            "rules": self.rule_comparison(),
             "copy_utilisation": self.copy_utilisation,
             "copy_need_ms_per_forward": round(self.copy_need_ms, 4),
             "copy_budget_ms_per_forward": round(self.copy_budget_ms, 4),
@@ -233,11 +283,18 @@ class ResidencyEstimate:
         }
 
 
+def _rule_text(rule: str, u: float) -> str:
+    share = "c" if u == 1.0 else f"{u:g} * c"
+    if rule == "budget":
+        return f"smallest r with (N - r) * d <= N * {share}"
+    return f"smallest r for which the two-slot schedule (compute {share} per block) predicts no copy wait"
+
+
 def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *, contiguous: bool,
                        context: Mapping[str, Any] | None = None,
-                       copy_utilisation: float = 1.0) -> ResidencyEstimate:
-    """Compute r and its indices from measured c and d (see :func:`resident_count`)."""
-    r = resident_count(num_blocks, compute_ms, transfer_ms, copy_utilisation=copy_utilisation)
+                       copy_utilisation: float = 1.0, rule: str = DEFAULT_RULE) -> ResidencyEstimate:
+    """Compute r and its indices from measured c and d under ``rule`` (see :func:`resident_for_rule`)."""
+    r = resident_for_rule(num_blocks, compute_ms, transfer_ms, rule=rule, copy_utilisation=copy_utilisation)
     return ResidencyEstimate(
         num_blocks=num_blocks,
         compute_ms=float(compute_ms),
@@ -247,6 +304,7 @@ def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *
         contiguous=bool(contiguous),
         context=dict(context or {}),
         copy_utilisation=float(copy_utilisation),
+        rule=rule,
     )
 
 
@@ -268,7 +326,12 @@ def _markdown(report: Mapping[str, Any]) -> str:
     for key in keys:
         if key in report:
             lines.append(f"| {key} | {report[key]} |")
-    lines += ["", f"Rule: {report['rule']}.", "", f"Note: {report['note']}.", ""]
+    rules = report["rules"]
+    lines += ["", f"Rule: {report['rule']} ({report['rule_text']}).", "",
+              "| rule | r | predicted copy wait (ms per forward) |", "|---|---|---|"]
+    lines += [f"| {name}{' (used)' if name == report['rule'] else ''} | {rules[f'{name}_resident']} | "
+              f"{rules[f'{name}_predicted_copy_wait_ms']} |" for name in RULES]
+    lines += ["", f"Note: {report['note']}.", ""]
     return "\n".join(lines)
 
 

@@ -15,9 +15,12 @@ from worldfoundry.errors import AccelerationOptionsError
 NAME: Final = "resident_blocks"
 #: Keys of the spec mapping.
 SPEC_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices", "config")
-#: Keys an estimator config file may hold (``worldfoundry estimate-residency`` writes all four).
+#: Keys an estimator config file may hold (``worldfoundry estimate-residency`` writes all five; ``estimate`` is the
+#: record of how r was chosen — both rules' r, their predicted waits, c, d, N — and is not an option).
 CONFIG_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices",
-                      "num_blocks")
+                      "num_blocks", "estimate")
+#: Config keys that are a record, not options.
+RECORD_KEYS: Final = ("estimate",)
 
 
 def _error(message: str) -> AccelerationOptionsError:
@@ -41,7 +44,9 @@ def _read_config(path_value: Any) -> dict[str, Any]:
         raise _error(f"config: {path} has unknown key(s) {unknown}; known keys: {list(CONFIG_KEYS)}")
     if "offload_resident_blocks" not in data:
         raise _error(f"config: {path} has no offload_resident_blocks")
-    return data
+    if "estimate" in data and not isinstance(data["estimate"], dict):
+        raise _error(f"config: {path}: estimate must be a JSON object (the estimator's record)")
+    return {k: v for k, v in data.items() if k not in RECORD_KEYS}
 
 
 @dataclass(frozen=True)
