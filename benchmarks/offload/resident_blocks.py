@@ -403,6 +403,8 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
                  ("rb_budget_per_tensor", estimates["per_tensor"]["budget_resident"], False),
                  ("rb_budget_contiguous", estimates["contiguous"]["budget_resident"], True),
                  ("rb_r0_per_tensor", 0, False), ("rb_r0_contiguous", 0, True)]
+        if args.lean:  # repeated runs: the default-rule estimate and r = 0 only
+            specs = [spec for spec in specs if not spec[0].startswith("rb_budget")]
         if args.smoke:  # tiny CPU blocks always estimate r = 0; exercise the resident path as well
             specs.append(("rb_r1_per_tensor", 1, False))
         for extra_r in args.extra_r:  # a sweep around the estimate: how the ratio falls as r grows
@@ -417,11 +419,15 @@ def run_wan(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
             facts = install(clone, r, contiguous)
             variants.append(Variant(vname, clone, "plugin", r, "contiguous" if contiguous else "per_tensor",
                                     extra=facts))
-        group = twin(model, WanTransformer3DModel, config)
+        group = None if args.lean else twin(model, WanTransformer3DModel, config)
         try:
+            if group is None:
+                raise LookupError("--lean: group offloading not timed")
             group.enable_group_offload(device, offload_device=torch.device("cpu"), offload_type="block_level",
                                        num_blocks_per_group=1, use_stream=device.type == "cuda")
             variants.append(Variant("group_offload", group, "group"))
+        except LookupError:
+            pass
         except Exception as exc:  # e.g. streams on the CPU smoke run
             out.setdefault("notes", []).append(f"group offloading unavailable: {type(exc).__name__}: {exc}")
         setup_s = time.perf_counter() - t0
@@ -556,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forwards-w17", type=int, default=3, help="timed forwards per W17 request")
     parser.add_argument("--rounds-w81", type=int, default=3)
     parser.add_argument("--skip-h3", action="store_true")
+    parser.add_argument("--lean", action="store_true",
+                        help="time only resident, the default-rule estimate and r = 0 (for repeated runs)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat each workload this many times in the process (fresh estimates each run)")
     parser.add_argument("--extra-r", default="", help="comma-separated further r values to time, both layouts")
