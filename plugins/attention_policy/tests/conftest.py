@@ -90,6 +90,12 @@ def wan_i2v() -> WanCase:
 @pytest.fixture
 def providers() -> AttentionProviderRegistry:
     """The built-in providers and the test distribution's ``chunked_softmax`` (found through its entry point)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("worldfoundry-test-attention-provider")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the test provider distribution is not installed: pip install -e tests/fixtures/attention_provider_dist")
     registry = AttentionProviderRegistry(allowlist=[TEST_PROVIDER])
     assert TEST_PROVIDER in registry.names()
     return registry
