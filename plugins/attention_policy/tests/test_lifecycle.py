@@ -127,7 +127,7 @@ def test_refused_while_a_request_runs(wan_case, registry) -> None:
                                             registry=registry)
 
 
-def test_conflicts_with_optimized_mha_sdpa_backend_on_the_same_modules(wan_case) -> None:
+def test_conflicts_with_optimized_mha_sdpa_backend_on_the_same_modules(wan_case, providers) -> None:
     registry = AccelerationRegistry(allowlist=["attention_policy", "optimized_mha"])
     spec = {"optimized_mha": {"self": {"fusion": "none", "sdpa_backend": "math"}},
             "attention_policy": {"self": TEST_PROVIDER}}
@@ -140,7 +140,7 @@ def test_conflicts_with_optimized_mha_sdpa_backend_on_the_same_modules(wan_case)
     assert torch.equal(wan_case.run(), dense)
 
 
-def test_composes_with_optimized_mha_fusion(wan_case) -> None:
+def test_composes_with_optimized_mha_fusion(wan_case, providers) -> None:
     registry = AccelerationRegistry(allowlist=["attention_policy", "optimized_mha"])
     dense = wan_case.run()
     spec = {"optimized_mha": {"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}},

@@ -27,6 +27,17 @@ def _all_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
 
 
+@pytest.fixture
+def test_distribution() -> None:
+    """Skip where the test-only provider distribution is not installed (it is in requirements-dev.txt)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version(TEST_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{TEST_DIST} is not installed: pip install -e tests/fixtures/attention_provider_dist")
+
+
 def test_builtins_and_code_registration() -> None:
     registry = AttentionProviderRegistry(discover=False)
     assert registry.names() == BUILTINS
@@ -47,7 +58,7 @@ def test_builtins_and_code_registration() -> None:
         registry.register(lambda q, k, v: q)
 
 
-def test_the_test_distribution_is_discovered_through_its_entry_point() -> None:
+def test_the_test_distribution_is_discovered_through_its_entry_point(test_distribution) -> None:
     registry = AttentionProviderRegistry()
     provider = registry.get(TEST_PROVIDER)
     assert provider.distribution == TEST_DIST and provider.numerics == "exact_equivalent"
@@ -57,7 +68,7 @@ def test_the_test_distribution_is_discovered_through_its_entry_point() -> None:
     torch.testing.assert_close(provider.attention(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))
 
 
-def test_allowlist_by_entry_point_distribution_or_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allowlist_by_entry_point_distribution_or_empty(monkeypatch: pytest.MonkeyPatch, test_distribution) -> None:
     assert TEST_PROVIDER in AttentionProviderRegistry(allowlist=[TEST_DIST]).names()
     monkeypatch.setenv(PLUGIN_ALLOWLIST_ENV, TEST_PROVIDER)
     registry = AttentionProviderRegistry()
@@ -81,7 +92,7 @@ def _broken_distribution(tmp_path, monkeypatch, body: str) -> tuple[str, str]:  
     return tag, module
 
 
-def test_a_broken_distribution_is_reported_and_the_others_load(tmp_path, monkeypatch) -> None:
+def test_a_broken_distribution_is_reported_and_the_others_load(tmp_path, monkeypatch, test_distribution) -> None:
     tag, module = _broken_distribution(tmp_path, monkeypatch, "raise ImportError('kernel extension missing')\n")
     registry = AttentionProviderRegistry()
     assert TEST_PROVIDER in registry.names()
@@ -106,7 +117,7 @@ def test_a_module_without_the_hook_fails_to_load(tmp_path, monkeypatch) -> None:
     assert "defines no @worldfoundry.hookimpl register_attention_providers" in str(error)
 
 
-def test_worldfoundry_plugins_lists_the_providers() -> None:
+def test_worldfoundry_plugins_lists_the_providers(test_distribution) -> None:
     out = io.StringIO()
     assert plugins_cmd.run(argparse.Namespace(json=True, strict=False), registry=AccelerationRegistry(discover=False),
                            out=out, providers=AttentionProviderRegistry(allowlist=[TEST_PROVIDER])) == 0
