@@ -10,7 +10,8 @@ One process, three parts (each fails alone, printed; the others still run):
 * ``forward`` — ``WanTransformer3DModel`` with the Wan2.1-1.3B config (30 layers, dim 1536, 12 heads, FFN 8960),
   random seeded weights, bf16 (fp32 modules kept as diffusers keeps them), latent 1x16x21x60x104, text 512x4096:
   ``eager`` vs ``attention_policy{self: fa3, min_tokens 8192}`` (and ``sage`` alike when installed) and
-  ``eager[copy]`` (a second dense instance: the cross-instance noise floor), ≥ 3 interleaved paired rounds,
+  ``eager[copy]`` (a second dense instance: the cross-instance noise floor) and the anchor ``compile_regional``
+  (diffusers' ``compile_repeated_blocks``, compile time reported apart), ≥ 3 interleaved paired rounds,
   medians; latent relative L2 of every variant to an fp32-attention reference forward (the same bf16 model with
   every attention computed in fp32 through ``attention_policy``). Receipts prove the provider ran.
 * ``w17`` — the same at W17 (S 3,600 < min_tokens): the policy falls back on every call, so its output must be
@@ -196,7 +197,8 @@ def forward_part(workload: str, device: torch.device, dtype: torch.dtype, args: 
     dense = build_wan(config, device, dtype)
     names = [n for n in POLICY_PROVIDERS + (("sdpa_math",) if args.smoke else ()) if reasons.get(n) is None]
     result["skipped"] = {n: reasons[n] for n in POLICY_PROVIDERS if reasons.get(n) is not None}
-    copies = {n: copy.deepcopy(dense) for n in ("reference", "eager[copy]", *names)}  # before any guard exists
+    anchors = ("compile_regional",) if args.compile else ()
+    copies = {n: copy.deepcopy(dense) for n in ("reference", "eager[copy]", *names, *anchors)}  # before any guard
     result: dict[str, Any] = {"latent": list(latent), "tokens": latent[0] * latent[1] * latent[2] // 4,
                               "text_tokens": text_len, "min_tokens": min_tokens, **result}
 
@@ -223,6 +225,18 @@ def forward_part(workload: str, device: torch.device, dtype: torch.dtype, args: 
         sessions[name] = install_diffusion_accelerations(
             model, {"attention_policy": {"self": {"backend": name, "min_tokens": min_tokens}}}, registry=registry)
         models[f"policy_{name}"] = model
+    for name in anchors:  # torch.compile regional (diffusers' compile_repeated_blocks): the anchor to beat
+        model = copies.pop(name)
+        try:
+            t0 = time.perf_counter()
+            model.compile_repeated_blocks(fullgraph=True)
+            forward(model), forward(model)
+            sync(device)
+            result["compile_first_two_calls_s"] = time.perf_counter() - t0
+            models[name] = model
+        except Exception:  # noqa: BLE001 - the anchor failing must not lose the provider comparison
+            result.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
+            print(result["errors"][name], file=sys.stderr, flush=True)
     outputs = {name: forward(m, rid="proof") for name, m in models.items()}
     result["rel_l2_vs_fp32_attention"] = {n: rel_l2(o.float(), reference) for n, o in outputs.items()}
     result["bitwise_equal_to_eager"] = {n: bool(torch.equal(o, outputs["eager"])) for n, o in outputs.items()}
@@ -291,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--w17-iters", type=int, default=5)
     p.add_argument("--w81-iters", type=int, default=1)
     p.add_argument("--parts", default="layer,forward,w17")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip the torch.compile regional anchor of the forward parts")
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error("--rounds must be at least 3")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
-        args.warmup, args.layer_iters, args.w17_iters = 1, 2, 1
+        args.warmup, args.layer_iters, args.w17_iters, args.compile = 1, 2, 1, False
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"provenance": provenance(device, extra_packages=("diffusers", "fa3-fwd", "sageattention"),
