@@ -185,6 +185,17 @@ def policy_registry(providers: AttentionProviderRegistry) -> AccelerationRegistr
     return registry
 
 
+def reference_output(model: torch.nn.Module, registry: AccelerationRegistry,
+                     forward: Any) -> torch.Tensor:
+    """The forward of ``model`` with every attention computed in fp32 (through ``attention_policy``), in fp32."""
+    session = install_diffusion_accelerations(
+        model, {"attention_policy": {"self": "fp32_reference", "cross": "fp32_reference"}}, registry=registry)
+    try:
+        return forward(model).float()
+    finally:
+        session.uninstall()
+
+
 def forward_part(workload: str, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
                  providers: AttentionProviderRegistry, reasons: dict[str, str | None]) -> dict[str, Any]:
     config = WAN_TINY if args.smoke else WAN_1_3B
@@ -209,13 +220,7 @@ def forward_part(workload: str, device: torch.device, dtype: torch.dtype, args: 
             with request_scope(RequestContext(rid)):
                 return model(**inputs)[0]
 
-    reference_model = copies.pop("reference")
-    session = install_diffusion_accelerations(
-        reference_model, {"attention_policy": {"self": "fp32_reference", "cross": "fp32_reference"}},
-        registry=registry)
-    reference = forward(reference_model).float()
-    session.uninstall()
-    del reference_model, session
+    reference = reference_output(copies.pop("reference"), registry, forward)
     attach_request_guard(dense)
     attach_request_guard(copies["eager[copy]"])
     models: dict[str, torch.nn.Module] = {"eager": dense, "eager[copy]": copies.pop("eager[copy]")}
