@@ -279,7 +279,7 @@ def print_table(data: dict[str, Any]) -> None:
         entry = layer.get(shape)
         if not isinstance(entry, dict):
             continue
-        cells = [f"{n} {t['median_ms']:.3f} ({t['speedup_vs_sdpa']:.2f}x, {entry['rel_l2_vs_fp32'][n]:.5f})"
+        cells = [f"{n} {t['median_ms']:.3f} ({t['speedup_vs_sdpa']:.2f}x, {entry['rel_l2_vs_fp32'][n]:.3e})"
                  for n, t in entry["timing"].items()]
         print(f"{shape:10s} " + " | ".join(cells))
     for workload in ("W17", "W81"):
@@ -290,7 +290,7 @@ def print_table(data: dict[str, Any]) -> None:
         for name, t in entry["timing"].items():
             print(f"{name:14s} {t['median_ms']:9.2f} ms  {t['paired_speedup_median']:.3f}x "
                   f"[{t['paired_speedup_min']:.3f}, {t['paired_speedup_max']:.3f}]  rel L2 "
-                  f"{entry['rel_l2_vs_fp32_attention'][name]:.5f}  bitwise=eager: "
+                  f"{entry['rel_l2_vs_fp32_attention'][name]:.3e}  bitwise=eager: "
                   f"{entry['bitwise_equal_to_eager'][name]}")
         for name, receipt in entry.get("receipts", {}).items():
             print(f"  receipts {name}: {receipt}")
