@@ -10,7 +10,7 @@ import torch
 
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
-from worldfoundry.core.acceleration.registry import PLUGIN_ALLOWLIST_ENV, AccelerationRegistry
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.attention.provider_registry import AttentionProviderRegistry
 from worldfoundry.core.attention.providers import reference_attention, relative_l2
 
@@ -26,9 +26,10 @@ def _sm90() -> bool:
 
 
 @pytest.fixture
-def fa3(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
-    return AttentionProviderRegistry(allowlist=["fa3"]).get("fa3")
+def fa3():  # noqa: ANN201
+    from worldfoundry_attention_fa3.provider import fa3_provider
+
+    return fa3_provider()
 
 
 @pytest.mark.skipif(not _sm90(), reason="fa3-fwd kernels are built for sm90")
@@ -51,10 +52,11 @@ def test_probe_and_accuracy_match_sdpa(fa3) -> None:  # noqa: ANN001
 
 
 @pytest.mark.skipif(not _sm90(), reason="fa3-fwd kernels are built for sm90")
-def test_attention_policy_routes_wan_self_attention_to_fa3(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_policy_routes_wan_self_attention_to_fa3(fa3) -> None:  # noqa: ANN001
     from diffusers import WanTransformer3DModel
+    from worldfoundry_attention_policy.options import Options
+    from worldfoundry_attention_policy.plugin import make_prepare
 
-    monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
     torch.manual_seed(0)
     model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
                                   text_dim=64, freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=64)
@@ -66,7 +68,10 @@ def test_attention_policy_routes_wan_self_attention_to_fa3(monkeypatch: pytest.M
               "return_dict": False}
     with torch.no_grad():
         dense = model(**inputs)[0]
-    registry = AccelerationRegistry(allowlist=["attention_policy"])
+    providers = AttentionProviderRegistry(discover=False)
+    providers.register(fa3)
+    registry = AccelerationRegistry(discover=False)
+    registry.register("attention_policy", make_prepare(providers), options=Options)
     session = install_diffusion_accelerations(model, {"attention_policy": {"self": {"backend": "fa3",
                                                                                      "min_tokens": 1024}}},
                                               registry=registry)

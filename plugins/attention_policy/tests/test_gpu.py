@@ -8,14 +8,21 @@ import torch
 
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.attention.provider_registry import AttentionProviderRegistry
 from worldfoundry.core.attention.providers import relative_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient"])
-def test_builtin_backend_routes_and_counts(registry, backend: str) -> None:  # noqa: ANN001
+def test_builtin_backend_routes_and_counts(backend: str) -> None:
     from diffusers import WanTransformer3DModel
+    from worldfoundry_attention_policy.options import Options
+    from worldfoundry_attention_policy.plugin import make_prepare
+
+    registry = AccelerationRegistry(discover=False)  # the built-in providers only: no entry point needed
+    registry.register("attention_policy", make_prepare(AttentionProviderRegistry(discover=False)), options=Options)
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
