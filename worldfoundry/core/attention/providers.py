@@ -75,7 +75,8 @@ class AttentionProvider:
         device_types: supported ``torch.device`` types (``"cuda"``, ``"cpu"``).
         min_compute_capability: lowest CUDA compute capability ``(major, minor)``; ``None`` = no limit.
         supports_dropout: whether ``dropout_p > 0`` is honoured.
-        supports_gqa: whether key/value may have fewer heads than the query.
+        supports_gqa: whether the callable handles key/value with fewer heads than the query by their shapes
+            (the contract passes no ``enable_gqa`` flag; calls with ``enable_gqa=True`` are declined otherwise).
         probe_fn: extra environment check ``(device, dtype, head_dim) -> reason | None`` (package import,
             torch version, architecture of the compiled kernels).
         description: one line for listings.
