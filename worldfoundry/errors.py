@@ -235,3 +235,38 @@ class ParameterPackingError(WorldFoundryError, ValueError):
 
 class OffloadScheduleError(WorldFoundryError, RuntimeError):
     """Block offloading broke its copy/compute ordering (e.g. waited on an event that was never recorded)."""
+
+
+# --- attention providers -------------------------------------------------------------------------
+
+
+class UnknownAttentionProviderError(WorldFoundryError, KeyError):
+    """An attention provider name is not registered."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = tuple(sorted(known))
+        super().__init__(
+            f"unknown attention provider {name!r}; registered providers: {list(self.known)}. Install the "
+            "distribution that provides it (entry-point group 'worldfoundry.attention_providers') or register it "
+            "with register_attention_provider(...)"
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class DuplicateAttentionProviderError(WorldFoundryError, ValueError):
+    """An attention provider name is registered twice without ``replace=True``."""
+
+
+class AttentionProviderError(WorldFoundryError, RuntimeError):
+    """An attention provider cannot run where it was asked to, or returned a result that breaks the contract."""
+
+    def __init__(self, provider: str, reason: str) -> None:
+        self.provider = provider
+        self.reason = reason
+        super().__init__(
+            f"attention provider {provider!r}: {reason}. Choose another backend for this attention type, or set "
+            "on_unavailable='fallback' to run PyTorch SDPA instead (visible in the receipts)."
+        )

@@ -146,3 +146,26 @@ __all__ = [
     "sequence_of",
     "string",
 ]
+
+# Attention kernels are attention providers (docs/attention.md), selected per attention type by attention_policy.
+from worldfoundry.core.attention.provider_registry import (  # noqa: E402
+    AttentionProviderRegistry,
+    attention_provider_registry,
+    register_attention_provider,
+)
+from worldfoundry.core.attention.providers import (  # noqa: E402
+    APPROXIMATE,
+    EXACT_EQUIVALENT,
+    AttentionProvider,
+    from_tokens_major,
+)
+
+__all__ += [
+    "APPROXIMATE",
+    "EXACT_EQUIVALENT",
+    "AttentionProvider",
+    "AttentionProviderRegistry",
+    "attention_provider_registry",
+    "from_tokens_major",
+    "register_attention_provider",
+]

@@ -1,7 +1,8 @@
 """Hook specifications for plugin distributions.
 
-A plugin distribution declares an entry point in the group ``worldfoundry.accelerations`` that names a
-module containing ``@worldfoundry.hookimpl`` functions. The registry calls each one with a ``register``
+A plugin distribution declares an entry point in the group ``worldfoundry.accelerations`` (acceleration
+plugins) or ``worldfoundry.attention_providers`` (attention kernels) that names a module containing
+``@worldfoundry.hookimpl`` functions. The registry calls each one with a ``register``
 callback instead of letting plugins touch global state.
 """
 
@@ -14,6 +15,7 @@ import pluggy
 
 PROJECT_NAME: Final = "worldfoundry"
 ACCELERATION_ENTRY_POINT_GROUP: Final = "worldfoundry.accelerations"
+ATTENTION_PROVIDER_ENTRY_POINT_GROUP: Final = "worldfoundry.attention_providers"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
@@ -25,4 +27,14 @@ def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     Args:
         register: ``register(name, prepare_factory, *, options=Options, replace=False)``. ``prepare_factory(model, options, policy)``
             validates and returns a :class:`~worldfoundry.core.acceleration.prepared.PreparedAcceleration`.
+    """
+
+
+@hookspec
+def register_attention_providers(register: Callable[..., None]) -> None:
+    """Register attention providers offered by this distribution.
+
+    Args:
+        register: ``register(provider, *, replace=False)`` with an
+            :class:`~worldfoundry.core.attention.providers.AttentionProvider`.
     """

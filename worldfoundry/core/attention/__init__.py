@@ -1,4 +1,9 @@
-"""Attention numerics: explicit SDPA backends, fused/packed projections and static K/V caching.
+"""Attention numerics: attention providers, explicit SDPA backends, fused/packed projections and static K/V caching.
+
+* :mod:`.providers` — the attention provider contract (capabilities, numerics class, probe, SDPA-signature callable).
+* :mod:`.builtin_providers` — the PyTorch SDPA backends as providers (``sdpa``, ``sdpa_flash``, ...).
+* :mod:`.provider_registry` — providers by name, discovered from the ``worldfoundry.attention_providers`` entry point.
+* :mod:`.provider_dispatch` — per-call routing of one attention module's SDPA calls to providers.
 
 * :mod:`.sdpa_backends` — run SDPA with exactly one PyTorch backend, failing with a typed error otherwise.
 * :mod:`.packed_storage` — pack Linears reading one input into one storage (shared or derived copy).

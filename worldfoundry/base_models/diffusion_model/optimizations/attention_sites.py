@@ -121,6 +121,24 @@ def check_attention_site(site: AttentionSite, family: ModelFamily, plugin: str) 
     Raises:
         AccelerationRefusedError: unknown/custom processor, or diffusers' own fused projections are active.
     """
+    processor = check_known_processor(site, family, plugin)
+    if getattr(site.module, "fused_projections", False):
+        raise AccelerationRefusedError(
+            plugin, f"{site.path} has diffusers' fused projections active; call model.unfuse_qkv_projections() first"
+        )
+    return processor
+
+
+def check_known_processor(site: AttentionSite, family: ModelFamily, plugin: str) -> Any:
+    """Refuse attention modules whose processor is not one of :data:`KNOWN_PROCESSORS` (a custom processor may
+    compute attention differently).
+
+    Returns:
+        The module's processor.
+
+    Raises:
+        AccelerationRefusedError: unknown/custom processor.
+    """
     processor = getattr(site.module, "processor", None)
     known = _known_processor_classes().get((family.name, site.kind), ())
     if type(processor) not in known:
@@ -129,10 +147,6 @@ def check_attention_site(site: AttentionSite, family: ModelFamily, plugin: str) 
             plugin,
             f"{site.path} uses attention processor {type(processor).__name__}, which {plugin} does not know "
             f"(known for {family.name} {site.kind}-attention: {names}); restore the default processor first",
-        )
-    if getattr(site.module, "fused_projections", False):
-        raise AccelerationRefusedError(
-            plugin, f"{site.path} has diffusers' fused projections active; call model.unfuse_qkv_projections() first"
         )
     return processor
 
@@ -246,6 +260,7 @@ __all__ = [
     "NATIVE_DIFFUSERS_BACKEND",
     "ProjectionGroup",
     "check_attention_site",
+    "check_known_processor",
     "diffusers_attention_backend",
     "fused_branch_attributes",
     "head_dim",

@@ -1,0 +1,52 @@
+"""On a GPU: the built-in PyTorch SDPA providers routed per attention type on a bf16 Wan model, counted, and
+within bf16 rounding of the dense forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.attention.provider_registry import AttentionProviderRegistry
+from worldfoundry.core.attention.providers import relative_l2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient"])
+def test_builtin_backend_routes_and_counts(backend: str) -> None:
+    from diffusers import WanTransformer3DModel
+    from worldfoundry_attention_policy.options import Options
+    from worldfoundry_attention_policy.plugin import make_prepare
+
+    registry = AccelerationRegistry(discover=False)  # the built-in providers only: no entry point needed
+    registry.register("attention_policy", make_prepare(AttentionProviderRegistry(discover=False)), options=Options)
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
+                                  text_dim=64, freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=64)
+    model = model.to("cuda", torch.bfloat16).eval()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 16, 4, 16, 16, device="cuda", dtype=torch.bfloat16, generator=g),
+              "timestep": torch.tensor([500], device="cuda"),
+              "encoder_hidden_states": torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g),
+              "return_dict": False}
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+    spec = {"attention_policy": {"self": backend, "text_cross": {"backend": backend, "min_tokens": 128},
+                                 "on_unavailable": "fallback"}}
+    session = install_diffusion_accelerations(model, spec, registry=registry)
+    with request_scope(RequestContext("r1")), torch.no_grad():
+        out = model(**inputs)[0]
+    record = session.execution_report()["plugins"]["attention_policy"]["model"]["requests"]["r1"]
+    if session.receipt.plugins[0].exact:  # the backend is not available on this GPU: every call fell back
+        assert record["counters"] == {"dense_fallback": 4}
+    else:
+        assert record["counters"] == {backend: 2, "dense_fallback": 2}  # 64 text tokens < 128
+        assert record["fallbacks"] == {"text_cross: below min_tokens": 2}
+    assert relative_l2(out, dense) < 0.02
+    session.uninstall()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], dense)
