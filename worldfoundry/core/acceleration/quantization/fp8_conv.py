@@ -50,7 +50,7 @@ from worldfoundry.core.acceleration.quantization.fp8 import (
 )
 from worldfoundry.core.acceleration.quantization.fp8_linear import (
     SCALED_MM_ALIGNMENT,
-    fp8_linear_fallback_reason,
+    fp8_device_reason,
 )
 from worldfoundry.errors import QuantizationInputError
 
@@ -121,10 +121,13 @@ class ConvGeometry:
 def fp8_gemm_unavailable_reason(device: torch.device | str) -> str | None:
     """``None`` when the FP8 tensor-core GEMM is usable on ``device``, else a reason for the receipts.
 
-    The decision is :func:`~worldfoundry.core.acceleration.quantization.fp8_linear.fp8_linear_fallback_reason`
-    (CUDA sm_89+ with ``torch._scaled_mm``), shared with the FP8 Linear path.
+    The device policy is :func:`~worldfoundry.core.acceleration.quantization.fp8_linear.fp8_device_reason`
+    (CUDA sm_89+ with ``torch._scaled_mm``), shared with the FP8 Linear path; on a device it allows, the
+    convolution's own call (per-tensor scales, float32 output) is tried once
+    (:func:`scaled_mm_unavailable_reason`).
     """
-    reason = fp8_linear_fallback_reason(torch.device(device))
+    device = torch.device(device)
+    reason = fp8_device_reason(device) or scaled_mm_unavailable_reason(device)
     return None if reason is None else f"no FP8 tensor-core GEMM ({reason})"
 
 
@@ -145,7 +148,7 @@ def scaled_mm_unavailable_reason(device: torch.device | str) -> str | None:
             one = torch.ones((), dtype=torch.float32, device=device)
             torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
             _PROBES[key] = None
-        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # any failure of the real call means: not usable here
             _PROBES[key] = f"torch._scaled_mm with FP8 operands is not available on {key}: {exc}"
     return _PROBES[key]
 
