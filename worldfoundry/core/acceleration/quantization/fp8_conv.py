@@ -32,8 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -290,11 +291,27 @@ def fp8_conv3d(x: torch.Tensor, packed: PackedFp8Conv, act_scale: torch.Tensor, 
 
 
 def fp8_conv3d_reference(x: torch.Tensor, packed: PackedFp8Conv, act_scale: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`fp8_conv3d`: dequantize the same FP8 tensors and run ``F.conv3d`` in fp32."""
+    """Torch reference of :func:`fp8_conv3d`: dequantize the same FP8 tensors and run ``F.conv3d`` in fp32
+    (IEEE float32 on CUDA too: cuDNN's default TF32 would round both operands to 10 mantissa bits)."""
     _check_input(x, packed)
     g = packed.geometry
     xq = quantize_activation(x, act_scale).permute(0, 4, 1, 2, 3).float() * act_scale
-    return F.conv3d(xq, packed.dequantized_weight(), packed.bias[: g.out_channels], stride=g.stride)
+    with _ieee_fp32_convolution(x.device):
+        return F.conv3d(xq, packed.dequantized_weight(), packed.bias[: g.out_channels], stride=g.stride)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_convolution(device: torch.device) -> Iterator[None]:
+    """cuDNN convolves float32 in TF32 by default (10-bit mantissa operands); the reference must not."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
 
 
 __all__ = [
