@@ -186,6 +186,16 @@ class InvalidRequestError(WorldFoundryError, ValueError):
     """A generation request has invalid fields (frame count, size, steps, ...)."""
 
 
+class MissingDependencyError(WorldFoundryError, ImportError):
+    """An optional capability needs a package that is not installed; the message names the package."""
+
+    def __init__(self, feature: str, package: str, detail: str = "") -> None:
+        self.feature = feature
+        self.package = package
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"{feature} needs the package {package!r}{extra}: pip install {package}")
+
+
 class CandidateSchemaError(WorldFoundryError, ValueError):
     """A benchmark candidate file does not match the documented schema. The message names the JSON path."""
 
