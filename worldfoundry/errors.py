@@ -193,6 +193,15 @@ class ArtifactMismatchError(WorldFoundryError, ValueError):
     """An artifact (calibration, bundle, adapter) does not match the model or checkpoint it is used with."""
 
 
+class CommandLineError(WorldFoundryError, ValueError):
+    """A command-line argument is wrong (a missing file, a file where a directory belongs, an unusable
+    device); the message names the flag and what to pass instead."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+
 class InvalidRequestError(WorldFoundryError, ValueError):
     """A generation request has invalid fields (frame count, size, steps, ...)."""
 
