@@ -58,3 +58,15 @@ def test_the_table_matches_the_plugin_distributions_and_the_all_extra():
         assert project.get("authors") and project.get("urls", {}).get("Homepage"), pyproject
         torch_pins = [d for d in project.get("dependencies", []) if d.startswith("torch")]
         assert all(pin == "torch>=2.11" for pin in torch_pins), (pyproject, torch_pins)  # the tested floor
+
+
+def test_a_candidate_file_naming_a_missing_builtin_plugin_says_what_to_install():
+    from worldfoundry.bench.candidates import validate_plugin_options
+    from worldfoundry.errors import CandidateSchemaError
+
+    with pytest.raises(CandidateSchemaError) as info:
+        validate_plugin_options("candidates[0].accelerations.optimized_mha", "optimized_mha", {},
+                                AccelerationRegistry(discover=False))
+    message = str(info.value)
+    assert message.startswith("candidates[0].accelerations.optimized_mha: unknown acceleration 'optimized_mha'")
+    assert "pip install worldfoundry-optimized-mha" in message
