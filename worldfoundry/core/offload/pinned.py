@@ -42,8 +42,11 @@ _registered_lock = threading.Lock()
 
 
 class _CudaPointerAttributes(ctypes.Structure):
+    # the four documented fields, then room for any reserved fields a newer CUDA appends (it writes only its
+    # own sizeof; a larger buffer is harmless, a smaller one would be overrun)
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("_reserved", ctypes.c_long * 32)]
 
 
 @functools.lru_cache(maxsize=1)
