@@ -134,3 +134,14 @@ def test_a_failed_bench_leaves_no_empty_output_directory(tmp_path, capsys):
     out.mkdir()  # a directory that was there before is the user's: it stays
     assert main(["bench", "--model", "tiny-wan9", "--quality-only", "--out", str(out), "--no-progress"]) == 2
     assert out.is_dir()
+
+
+def test_estimate_residency_device_and_out_are_checked_first(tmp_path, capsys):
+    target = tmp_path / "config.json"
+    target.write_text("{}")
+    assert main(["estimate-residency", "--recipe", "tiny-wan2.1", "--device", "cpu", "--out", str(target)]) == 2
+    assert "--out: " in (err := one_line_error(capsys, "estimate-residency")) and "is a file" in err
+    assert main(["estimate-residency", "--recipe", "tiny-wan2.1", "--device", UNUSABLE_CUDA,
+                 "--out", str(tmp_path / "o")]) == 2
+    assert f"--device: {UNUSABLE_CUDA}" in one_line_error(capsys, "estimate-residency")
+    assert not (tmp_path / "o").exists()
