@@ -32,17 +32,28 @@ class AccelerationOptionsError(WorldFoundryError, ValueError):
 class UnknownAccelerationError(WorldFoundryError, KeyError):
     """An acceleration name is not registered."""
 
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    def __init__(self, name: str, known: Iterable[str], *, distribution: str | None = None,
+                 skipped_by_allowlist: bool = False) -> None:
         self.name = name
         self.known = tuple(sorted(known))
+        #: the distribution that provides ``name`` when it is a built-in plugin (``worldfoundry-easycache``).
+        self.distribution = distribution
+        #: an installed entry point of that name was skipped by ``WORLDFOUNDRY_PLUGINS``.
+        self.skipped_by_allowlist = skipped_by_allowlist
         super().__init__(name)
 
     def __str__(self) -> str:
         known = ", ".join(self.known) if self.known else "(none registered)"
-        return (
-            f"unknown acceleration {self.name!r}; known accelerations: {known}. "
-            "Install the plugin distribution or check WORLDFOUNDRY_PLUGINS."
-        )
+        head = f"unknown acceleration {self.name!r}; known accelerations: {known}. "
+        if self.skipped_by_allowlist:
+            return head + f"It is installed but not in WORLDFOUNDRY_PLUGINS: add {self.name!r} there or unset it."
+        if self.distribution is not None:
+            return head + (
+                f"It is provided by the distribution {self.distribution!r}, which is not installed: install it "
+                f"(pip install {self.distribution}, or every built-in plugin with pip install \"worldfoundry[all]\"; "
+                "from a checkout, see the README's Install section)."
+            )
+        return head + "Install the distribution that provides it, or check WORLDFOUNDRY_PLUGINS."
 
 
 class DuplicateAccelerationError(WorldFoundryError, ValueError):
@@ -182,8 +193,27 @@ class ArtifactMismatchError(WorldFoundryError, ValueError):
     """An artifact (calibration, bundle, adapter) does not match the model or checkpoint it is used with."""
 
 
+class CommandLineError(WorldFoundryError, ValueError):
+    """A command-line argument is wrong (a missing file, a file where a directory belongs, an unusable
+    device); the message names the flag and what to pass instead."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+
 class InvalidRequestError(WorldFoundryError, ValueError):
     """A generation request has invalid fields (frame count, size, steps, ...)."""
+
+
+class MissingDependencyError(WorldFoundryError, ImportError):
+    """An optional capability needs a package that is not installed; the message names the package."""
+
+    def __init__(self, feature: str, package: str, detail: str = "") -> None:
+        self.feature = feature
+        self.package = package
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"{feature} needs the package {package!r}{extra}: pip install {package}")
 
 
 class CandidateSchemaError(WorldFoundryError, ValueError):

@@ -7,11 +7,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
+
+from worldfoundry.cli.checks import (
+    check_device,
+    check_input_dir,
+    check_input_file,
+    check_output_dir,
+    remove_if_created_and_empty,
+    usage_error,
+)
+from worldfoundry.errors import CommandLineError
+
+#: The model benchmarked when neither ``--model`` nor the candidate file names one (``harness.DEFAULT_MODEL``;
+#: repeated here so ``--help`` does not import the harness).
+DEFAULT_MODEL = "tiny-wan2.1-trained"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="recipe name (default: the candidate file's, else tiny-wan2.1)")
+    p.add_argument("--model", default=None, help=f"recipe name (default: the candidate file's, else {DEFAULT_MODEL})")
     p.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory")
     p.add_argument("--candidates", default=None, help="candidate JSON (default recipes/candidates/default.json)")
     p.add_argument("--out", default="bench_out", help="output directory (results.json, report.md, PNG plots)")
@@ -31,7 +46,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Argument mistakes, found before anything is loaded or created.
+
+    Raises:
+        CommandLineError: unusable ``--device``, ``--out`` that is a file, missing ``--candidates`` or
+            ``--checkpoint-dir``.
+    """
+    check_device(args.device)
+    check_output_dir(args.out)
+    check_input_file(args.candidates, "--candidates")
+    check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_arguments(args)
+    except CommandLineError as exc:
+        return usage_error("bench", exc)
+    out = Path(args.out)
+    existed = out.exists()
+    rc = 1
+    try:
+        rc = _run(args)
+    finally:
+        if rc != 0:
+            remove_if_created_and_empty(out, existed)  # a failed run leaves no empty output directory
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     from worldfoundry.bench.harness import BenchConfig, run_bench
     from worldfoundry.bench.report import render_table
     from worldfoundry.errors import WorldFoundryError

@@ -15,7 +15,10 @@ import argparse
 import json
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+from worldfoundry.cli.checks import check_device, check_input_dir, check_input_file, check_output_dir, usage_error
 
 DEFAULT_OUT = "save_results"
 
@@ -59,13 +62,30 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _recipe_defaults(recipe: str) -> tuple[dict[str, Any], bool]:
-    try:
-        from worldfoundry.core.model_loading.recipes import load_recipe
+    """``(defaults, offline)`` of a recipe; a diffusers ``config.json`` has none.
 
-        loaded = load_recipe(recipe)
-    except Exception:  # a config.json or an unknown recipe: no defaults
+    Raises:
+        UnknownRecipeError / RecipeError: not a config.json and not a readable recipe.
+    """
+    path = Path(recipe)
+    if path.suffix == ".json":
+        check_input_file(path, "--recipe")
         return {}, False
+    from worldfoundry.core.model_loading.recipes import load_recipe
+
+    loaded = load_recipe(recipe)
     return dict(loaded.defaults), bool(loaded.offline)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Argument mistakes, found before anything is built or measured.
+
+    Raises:
+        CommandLineError: unusable ``--device``, ``--out`` that is a file, a missing ``--checkpoint-dir``.
+    """
+    check_device(args.device)
+    check_output_dir(args.out)
+    check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
 
 
 def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -77,6 +97,8 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """
     if not 0.0 < args.copy_utilisation <= 1.0:
         raise ValueError(f"--copy-utilisation must be in (0, 1], got {args.copy_utilisation}")
+    check_arguments(args)
+    defaults, offline = _recipe_defaults(args.recipe)  # an unknown recipe is named before any size check
     import diffusers
     import torch
 
@@ -102,12 +124,12 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available here (use --device cpu for the emulated mode)")
     dtype = parse_dtype(args.dtype)
-    defaults, offline = _recipe_defaults(args.recipe)
     frames = args.frames or defaults.get("num_frames")
     height = args.height or defaults.get("height")
     width = args.width or defaults.get("width")
     if not (frames and height and width):
-        raise ValueError("--frames, --height and --width are required (the recipe has no defaults for them)")
+        raise ValueError(f"--frames, --height and --width are required: recipe {args.recipe!r} has no defaults "
+                         "for them")
     source = resolve_dit_source(args.recipe, args.checkpoint_dir)
     random_weights = args.random_weights or (offline and args.checkpoint_dir is None)
     probe = build_probe_block(source, device=device, dtype=dtype, random_weights=random_weights,
@@ -165,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         estimate, paths = measure(args)
     except (WorldFoundryError, ValueError, OSError) as exc:
-        print(f"worldfoundry estimate-residency: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("estimate-residency", exc)
     report = estimate.to_report()
     print(f"device {report['device_name']} ({report['device']}), dtype {report['dtype']}, layout {report['layout']}, "
           f"{report['tokens']} tokens")

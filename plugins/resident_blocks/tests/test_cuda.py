@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.offload.pinned import is_page_locked
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,11 +45,10 @@ def test_cuda_bitwise_pinned_and_no_extra_syncs(tiny, registry, r: int, contiguo
     block = model.blocks[1]
     assert all(p.device.type == "cpu" for p in block.parameters())
     # page-locked: exact-size cudaHostRegister (Tensor.is_pinned() only knows the caching host allocator in
-    # some PyTorch versions), or the caching pinned allocator as the logged fallback
+    # some PyTorch versions; is_page_locked asks CUDA), or the caching pinned allocator as the logged fallback
     engine = handle.engine
     assert engine.pin_method in ("cuda_host_register", "pin_memory") and engine.pinned_bytes >= engine.host_bytes
-    if engine.pin_method == "pin_memory":
-        assert all(p.is_pinned() for p in block.parameters())
+    assert all(is_page_locked(p) for p in block.parameters())
     assert all(p.device.type == "cuda" for p in model.proj_out.parameters())  # non-block weights stay
     guard_outputs = tiny.run_request(model, "warm", steps=1, inputs=inputs)
     assert all(torch.equal(out, reference) for out in guard_outputs)

@@ -83,6 +83,34 @@ def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert torch.equal(after["output"], before["output"]), "forward output is not bitwise identical"
 
 
+def allow_cpu_fp8(session: Any, handle: Any) -> None:
+    """Let the installed plugin run FP8 on the CPU where this torch build can; skip the calling test elsewhere.
+
+    Whether ``torch._scaled_mm`` has a rowwise CPU kernel depends on the build (CPU builds of torch 2.13 do; the
+    CUDA build of torch 2.11 does not). The runtime asks its capability probe; when the probe says no, every
+    call on the CPU must fall back visibly with the probe's reason and run the dense Linear bitwise, which is
+    checked here before the test is skipped.
+    """
+    from worldfoundry.core.acceleration.context import RequestContext, request_scope
+
+    cpu = torch.device("cpu")
+    verdict = handle.runtime.allow_device(cpu)
+    if verdict is None:
+        return
+    assert verdict.startswith("rowwise torch._scaled_mm"), verdict
+    path, target = next(iter(handle.runtime.targets.items()))
+    linear = target.linear
+    x = torch.randn(4, linear.in_features, dtype=linear.weight.dtype)
+    with torch.no_grad(), request_scope(RequestContext("probe-fallback")):
+        out = linear(x)
+        dense = nn.functional.linear(x, linear.weight, linear.bias)
+    record = session.execution_report()["plugins"]["selective_fp8"]["model"]["requests"]["probe-fallback"]
+    assert record["module_fallbacks"] == {path: {verdict: 1}}
+    assert torch.equal(out, dense)
+    session.uninstall()
+    pytest.skip(f"no FP8 path on this CPU build (visible fallback checked): {verdict}")
+
+
 class Kit:
     """The helpers above, handed to tests as the ``kit`` fixture (conftest modules are not importable)."""
 
@@ -94,6 +122,7 @@ class Kit:
     run_wan = staticmethod(run_wan)
     fingerprint = staticmethod(fingerprint)
     assert_same = staticmethod(assert_same)
+    allow_cpu_fp8 = staticmethod(allow_cpu_fp8)
 
 
 @pytest.fixture

@@ -19,6 +19,18 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
 
+#: Built-in acceleration name -> the distribution (under ``plugins/``) that registers it; the ``all`` extra of
+#: the core distribution lists the same distributions.
+BUILTIN_PLUGIN_DISTRIBUTIONS: dict[str, str] = {
+    "attention_lora": "worldfoundry-attention-lora",
+    "easycache": "worldfoundry-easycache",
+    "lightvae": "worldfoundry-lightvae",
+    "optimized_mha": "worldfoundry-optimized-mha",
+    "resident_blocks": "worldfoundry-resident-blocks",
+    "selective_fp8": "worldfoundry-selective-fp8",
+    "wan_cross_kv_fusion": "worldfoundry-wan-cross-kv-fusion",
+}
+
 
 @dataclass(frozen=True)
 class RegisteredAcceleration:
@@ -145,7 +157,7 @@ class AccelerationRegistry:
         self._ensure_discovered()
         with self._lock:
             if name not in self._entries:
-                raise UnknownAccelerationError(name, self._entries)
+                raise self._unknown(name)
             del self._entries[name]
 
     def names(self) -> tuple[str, ...]:
@@ -166,7 +178,13 @@ class AccelerationRegistry:
                 return self._entries[name]
             except KeyError:
                 cause = next((e for e in self._load_errors if e.entry_point == name), None)
-                raise UnknownAccelerationError(name, self._entries) from cause
+                raise self._unknown(name) from cause
+
+    def _unknown(self, name: str) -> UnknownAccelerationError:
+        """The error for ``name`` with what helps: the built-in distribution, or the allowlist that skipped it."""
+        skipped = any(r.entry_point == name and r.status.startswith("skipped") for r in self._load_records)
+        return UnknownAccelerationError(name, self._entries, distribution=BUILTIN_PLUGIN_DISTRIBUTIONS.get(name),
+                                        skipped_by_allowlist=skipped)
 
     def __contains__(self, name: object) -> bool:
         self._ensure_discovered()
