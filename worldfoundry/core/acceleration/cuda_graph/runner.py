@@ -185,6 +185,7 @@ class GraphRunner:
         participants.fold()
         out = self.backend.warm_up(run, device)  # a real forward; its errors are the caller's
         _replayed(calls, holder["tokens"])
+        participants.fold()  # the warm-up's counts are the warm-up's, not part of what every replay repeats
         try:
             with participants.diverted() as kept:
                 captured = self.backend.capture(run, device)
@@ -216,6 +217,7 @@ class GraphRunner:
         load_into(entry.part_buffers, [t for _, c in calls for t in c.tensors])
         entry.holder["calls"] = calls
         if self.backend.reruns_python:
+            participants.fold()  # counts made before this call are not the replay's
             with participants.diverted() as kept:
                 entry.captured.replay()
                 participants.fold()
