@@ -2,7 +2,7 @@
 
 A CUDA graph replays fixed kernels on fixed addresses. A call may replay a graph only when everything that chose
 those kernels and addresses is the same: every tensor argument's shape, strides, dtype, device and pointer alignment
-(cuBLASLt picks kernels by alignment), every non-tensor argument's value, and the process state that changes what
+(cuBLASLt picks kernels by alignment; :func:`device_alignment`), every non-tensor argument's value, and the process state that changes what
 a forward computes (autograd, inference mode, autocast). :func:`call_signature` is that key, built in one pass over
 the arguments; arguments it cannot key (an unhashable object, a tensor with overlapping memory) make the call run
 eagerly, with the reason.
@@ -22,6 +22,8 @@ import torch
 
 from worldfoundry.core.attention.fingerprints import MAX_ALIGNMENT
 
+#: Alignment of PyTorch's CPU allocator.
+CPU_ALIGNMENT = 64
 _SCALARS = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 
 
@@ -37,7 +39,7 @@ class TensorSpec:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    #: ``data_ptr() % MAX_ALIGNMENT``: the offset the static buffer reproduces.
+    #: ``data_ptr() % device_alignment(device)``: the offset the static buffer reproduces.
     offset: int
     requires_grad: bool
 
@@ -46,7 +48,7 @@ class TensorSpec:
         if _has_overlap(tensor):
             raise UnkeyableArgument(f"input {name} has overlapping memory (as_strided)")
         return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device,
-                   tensor.data_ptr() % MAX_ALIGNMENT, tensor.requires_grad)
+                   tensor.data_ptr() % device_alignment(tensor.device), tensor.requires_grad)
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +57,12 @@ class TensorSpec:
     def describe(self) -> str:
         dims = "x".join(str(s) for s in self.shape) or "scalar"
         return f"{dims} {str(self.dtype).removeprefix('torch.')} {self.device}"
+
+
+def device_alignment(device: torch.device) -> int:
+    """The pointer alignment kept in signatures: what kernels may look at on CUDA (cuBLASLt: up to 256 bytes), the
+    allocator's alignment elsewhere (64 bytes on the CPU, so fresh tensors always share one signature)."""
+    return MAX_ALIGNMENT if device.type == "cuda" else CPU_ALIGNMENT
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -76,7 +84,14 @@ def _dedup(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _has_overlap(tensor: torch.Tensor) -> bool:
-    return torch._debug_has_internal_overlap(_dedup(tensor)) != 0
+    """Whether two elements of the tensor (broadcast dimensions aside) share memory."""
+    dims = sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz > 1 and st != 0)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def _key(value: Any, name: str, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> Hashable:
@@ -131,7 +146,7 @@ def call_signature(args: tuple[Any, ...], kwargs: Mapping[str, Any], extra: Hash
     tensors: list[torch.Tensor] = []
     positional = tuple(_key(v, f"#{i}", specs, tensors) for i, v in enumerate(args))
     named = tuple((k, _key(kwargs[k], k, specs, tensors)) for k in sorted(kwargs))
-    return CallSignature((positional, named, process_state(), extra), tuple(specs), tuple(tensors))
+    return CallSignature((positional, named, tuple(specs), process_state(), extra), tuple(specs), tuple(tensors))
 
 
 def allocate_like(spec: TensorSpec, *, pin: bool = False) -> torch.Tensor:
@@ -143,10 +158,10 @@ def allocate_like(spec: TensorSpec, *, pin: bool = False) -> torch.Tensor:
     """
     itemsize = _itemsize(spec.dtype)
     elements = _storage_elements(spec.shape, spec.stride)
-    pad = MAX_ALIGNMENT // itemsize
-    flat = torch.empty(elements + pad, dtype=spec.dtype, device=spec.device,
+    align = device_alignment(spec.device)
+    flat = torch.empty(elements + align // itemsize, dtype=spec.dtype, device=spec.device,
                        pin_memory=pin and spec.device.type == "cpu")
-    shift = ((spec.offset - flat.data_ptr() % MAX_ALIGNMENT) % MAX_ALIGNMENT) // itemsize
+    shift = ((spec.offset - flat.data_ptr() % align) % align) // itemsize
     return flat.as_strided(spec.shape, spec.stride, shift)
 
 
