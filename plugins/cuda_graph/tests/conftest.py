@@ -100,3 +100,12 @@ def graph_record(session: Any, request_id: str) -> dict[str, Any]:
 
 def graphs(session: Any) -> dict[str, Any]:
     return session.execution_report()["plugins"]["cuda_graph"]["model"]["graphs"]
+
+
+@pytest.fixture
+def tools() -> Any:
+    """``tools.build_wan``, ``tools.make_registry``, ``tools.graph_record``, ``tools.graphs``."""
+    import types
+
+    return types.SimpleNamespace(build_wan=build_wan, make_registry=make_registry, graph_record=graph_record,
+                                 graphs=graphs)
