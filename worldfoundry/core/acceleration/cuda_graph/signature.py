@@ -2,7 +2,7 @@
 
 A CUDA graph replays fixed kernels on fixed addresses. A call may replay a graph only when everything that chose
 those kernels and addresses is the same: every tensor argument's shape, strides, dtype, device and pointer alignment
-(cuBLASLt picks kernels by alignment; :func:`device_alignment`), every non-tensor argument's value, and the process state that changes what
+(cuBLASLt picks kernels by alignment; :func:`device_alignment`; tensors under :data:`SMALL_TENSOR_BYTES` aside), every non-tensor argument's value, and the process state that changes what
 a forward computes (autograd, inference mode, autocast). :func:`call_signature` is that key, built in one pass over
 the arguments; arguments it cannot key (an unhashable object, a tensor with overlapping memory) make the call run
 eagerly, with the reason.
@@ -22,6 +22,10 @@ import torch
 
 from worldfoundry.core.attention.fingerprints import MAX_ALIGNMENT
 
+#: Tensors smaller than this are keyed without their pointer offset: they are read by elementwise kernels (a
+#: timestep, a scale), whose results do not depend on the address, and they are often views at a new offset on
+#: every step (``scheduler.timesteps[i]``).
+SMALL_TENSOR_BYTES = 256
 #: Alignment of PyTorch's CPU allocator.
 CPU_ALIGNMENT = 64
 _SCALARS = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
@@ -47,8 +51,10 @@ class TensorSpec:
     def of(cls, tensor: torch.Tensor, name: str) -> TensorSpec:
         if _has_overlap(tensor):
             raise UnkeyableArgument(f"input {name} has overlapping memory (as_strided)")
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device,
-                   tensor.data_ptr() % device_alignment(tensor.device), tensor.requires_grad)
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = tensor.data_ptr() % device_alignment(tensor.device) if nbytes >= SMALL_TENSOR_BYTES else 0
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, offset,
+                   tensor.requires_grad)
 
     @property
     def nbytes(self) -> int:
