@@ -242,8 +242,7 @@ def test_watch_is_quiet_without_changes() -> None:
     model = Toy()
     watch = ModelStateWatch(model)
     assert watch.check() == 0 and watch.check() == 0
-    model.train(False)
-    model.lin.train()
+    model.train()
     assert watch.check() == 1
 
 

@@ -114,6 +114,7 @@ class GraphRunner:
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
         self._watch: ModelStateWatch | None = None
         self._generation = 0
+        self._device: torch.device | None = None  # cached while the watched tensors do not change
         self._session: Any = None
         self._participants = Participants()
         self.invalidations: deque[str] = deque(maxlen=8)
@@ -131,7 +132,7 @@ class GraphRunner:
 
     def _call(self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         model = self._model()
-        device = _device_of(model)
+        device = self._device if self._device is not None else _device_of(model)
         reason = self.backend.unavailable(device) or _process_refusal(device)
         if reason:
             return self._eager(original, args, kwargs, reason)
@@ -139,6 +140,7 @@ class GraphRunner:
         if participants.refusal:
             return self._eager(original, args, kwargs, participants.refusal)
         self._check_generation(model)
+        device = self._device if self._device is not None else device
         calls, reason = participants.calls()
         if reason:
             return self._eager(original, args, kwargs, reason)
@@ -255,10 +257,12 @@ class GraphRunner:
         if self._watch is None:
             self._watch = ModelStateWatch(model)
             self._generation = self._watch.generation
+            self._device = _device_of(model)
             return
         generation = self._watch.check()
         if generation != self._generation:
             self._generation = generation
+            self._device = _device_of(model)
             self._invalidate(self._watch.last_change)
 
     def _invalidate(self, reason: str) -> None:
@@ -281,6 +285,7 @@ class GraphRunner:
         self._failed.clear()
         self._seen.clear()
         self._watch = None
+        self._device = None
         self._session = None
         self._participants = Participants()
         if torch.cuda.is_available() and torch.cuda.is_initialized():

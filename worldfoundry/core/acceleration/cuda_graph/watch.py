@@ -3,7 +3,9 @@
 A CUDA graph keeps the addresses of every parameter and buffer it read, and it froze the Python of the forward
 it recorded: which modules ran, which hooks fired, which forward a plugin or the user patched in. So a graph is
 stale when any parameter or buffer was replaced, edited in place (version counter), moved or cast (data pointer),
-or when the module tree, a module's hooks or a module's patched ``forward`` changed.
+or when a submodule was replaced, a module's forward hooks or its patched ``forward`` changed, or the model left
+eval mode. (A parameter or submodule *added* changes nothing until a forward uses it — which takes a patched forward
+or a hook, both seen.)
 
 :class:`ModelStateWatch` keeps a *generation* number that grows on any such change. The common case (nothing
 changed) is a few C-level loops over flat lists built once (identities, version counters, data pointers, hook
@@ -22,10 +24,10 @@ from torch.nn.modules import module as _module_globals
 
 _version = operator.attrgetter("_version")
 _data_ptr = operator.methodcaller("data_ptr")
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = tuple(getattr(_module_globals, name) for name in (
-    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
-    if hasattr(_module_globals, name))
+#: Forward hooks only: a graph runs with autograd off, so backward hooks never fire in it.
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+_GLOBAL_HOOKS = tuple(getattr(_module_globals, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+                      if hasattr(_module_globals, name))
 
 
 class ModelStateWatch:
@@ -55,10 +57,6 @@ class ModelStateWatch:
         self._child_names = [name for m in modules for name in m._modules]
         self._hook_dicts = [getattr(m, h) for m in modules for h in _HOOK_DICTS] + list(_GLOBAL_HOOKS)
         self._instance_dicts = [m.__dict__ for m in modules]
-        self._sizes = [len(d) for d in (*(m._parameters for m in modules), *(m._buffers for m in modules),
-                                        *(m._modules for m in modules))]
-        self._parameter_dicts = ([m._parameters for m in modules] + [m._buffers for m in modules]
-                                 + [m._modules for m in modules])
         self._tensors_now = list(map(dict.get, self._tensor_dicts, self._tensor_names))
         self._tensors = [t for t in self._tensors_now if t is not None]
         self._versions = self._read_versions()
@@ -67,8 +65,7 @@ class ModelStateWatch:
         self._children = list(map(dict.get, self._child_dicts, self._child_names))
         self._hook_counts = list(map(len, self._hook_dicts))
         self._forwards = list(map(dict.get, self._instance_dicts, repeat("forward")))
-        self._training = [m.training for m in modules]
-        self._modules = modules
+        self._training = self._model.training
 
     def _read_versions(self) -> list[int] | None:
         try:
@@ -86,8 +83,6 @@ class ModelStateWatch:
         return self.generation
 
     def _change(self) -> str:
-        if list(map(len, self._parameter_dicts)) != self._sizes:
-            return "a parameter, buffer or submodule was added or removed"
         if not all(map(operator.is_, map(dict.get, self._child_dicts, self._child_names), self._children)):
             return "a submodule was replaced"
         if not all(map(operator.is_, map(dict.get, self._tensor_dicts, self._tensor_names), self._tensors_now)):
@@ -100,8 +95,8 @@ class ModelStateWatch:
             return "module hooks were added or removed"
         if not all(map(operator.is_, map(dict.get, self._instance_dicts, repeat("forward")), self._forwards)):
             return "a module forward was patched or restored"
-        if [m.training for m in self._modules] != self._training:
-            return "a module's training flag changed"
+        if self._model.training != self._training:
+            return "the model's training flag changed"
         return ""
 
 
