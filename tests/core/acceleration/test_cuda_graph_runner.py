@@ -239,7 +239,7 @@ def test_release_frees_everything() -> None:
 
 
 def test_watch_is_quiet_without_changes() -> None:
-    model = Toy()
+    model = Toy().eval()
     watch = ModelStateWatch(model)
     assert watch.check() == 0 and watch.check() == 0
     model.train()
