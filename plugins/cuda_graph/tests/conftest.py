@@ -73,6 +73,7 @@ def make_registry(backend: Any = EagerReplayBackend) -> AccelerationRegistry:
     from worldfoundry_easycache.plugin import prepare as easycache
     from worldfoundry_optimized_mha.plugin import prepare as optimized_mha
     from worldfoundry_resident_blocks.plugin import prepare as resident_blocks
+    from worldfoundry_selective_fp8.plugin import prepare as selective_fp8
     from worldfoundry_wan_cross_kv_fusion.plugin import prepare as wan_cross_kv_fusion
 
     reg = AccelerationRegistry(discover=False)
@@ -81,6 +82,7 @@ def make_registry(backend: Any = EagerReplayBackend) -> AccelerationRegistry:
     reg.register("optimized_mha", optimized_mha)
     reg.register("easycache", easycache)
     reg.register("resident_blocks", resident_blocks)
+    reg.register("selective_fp8", selective_fp8)
     return reg
 
 

@@ -37,11 +37,7 @@ def _case(tools: Any) -> Any:
 
 
 def _registry(tools: Any) -> Any:
-    registry = tools.make_registry(CudaGraphBackend)
-    from worldfoundry_selective_fp8.plugin import prepare as selective_fp8
-
-    registry.register("selective_fp8", selective_fp8)
-    return registry
+    return tools.make_registry(CudaGraphBackend)
 
 
 def _eager_then_graph(tools: Any, stack: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, Any]:

@@ -35,6 +35,7 @@ STACKS = [
     pytest.param({"optimized_mha": MHA}, id="optimized_mha"),
     pytest.param({"optimized_mha": {"self": {"fusion": "qkv"}}, "wan_cross_kv_fusion": {"min_tokens": 0}},
                  id="optimized_mha+wan_cross_kv_fusion"),
+    pytest.param({"selective_fp8": {"min_tokens": 1}}, id="selective_fp8"),
 ]
 
 
@@ -113,7 +114,8 @@ def test_stack_is_bitwise_and_counts_like_the_same_stack_eager(tools: Any, stack
         for rid in ("g1", "g2"):
             got = report[name]["model"]["requests"][rid]
             assert got["modules"] == expected["modules"], (name, rid)
-            assert got["claimed_not_executed"] == []
+            assert got["claimed_not_executed"] == expected["claimed_not_executed"]
+            assert got["fallbacks"] == expected["fallbacks"]
             counters = {k: v for k, v in got["counters"].items() if k != "bitwise_checks"}
             assert counters == {k: v for k, v in expected["counters"].items() if k != "bitwise_checks"}
     totals = tools.graphs(session)["totals"]
