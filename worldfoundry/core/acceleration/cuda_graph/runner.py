@@ -202,8 +202,8 @@ class GraphRunner:
             self.ledger.count("capture_failures")
             self.ledger.fallback(ROOT_MODULE, reason)
             return out
-        entry = CapturedSignature(signature.describe(), static, part_buffers, captured, kept, current_request_id(),
-                                  time.perf_counter() - start, holder, list(holder["tokens"]))
+        entry = CapturedSignature(signature.describe(), static, part_buffers, captured, _coalesced(kept),
+                                  current_request_id(), time.perf_counter() - start, holder, list(holder["tokens"]))
         self._entries[signature.key] = entry
         self.totals["captures"] += 1
         self.ledger.count("captures")
@@ -223,7 +223,7 @@ class GraphRunner:
             with participants.diverted() as kept:
                 entry.captured.replay()
                 participants.fold()
-            if _comparable(kept) != _comparable(entry.kept):
+            if _comparable(_coalesced(kept)) != _comparable(entry.kept):
                 self.totals["replay_divergences"] += 1
                 self.ledger.count("replay_divergences")
         else:
@@ -327,6 +327,27 @@ def _replayed(calls: list[tuple[Participant, GraphCall]], tokens: list[Any]) -> 
     for (_, call), token in zip(calls, tokens, strict=True):
         if call.replayed is not None:
             call.replayed(token)
+
+
+_SUMMED = frozenset({"executed", "fallback", "skipped", "count"})
+
+
+def _coalesced(kept: list[tuple[ExecutionLedger, list[LedgerCall]]]) -> list[tuple[ExecutionLedger, list[LedgerCall]]]:
+    """The kept calls with repeated counting calls summed (``executed("m", "k", 1)`` x 30 -> one call with 30), so
+    a replay applies a few calls per plugin instead of one per module call."""
+    out = []
+    for ledger, calls in kept:
+        merged: dict[Any, LedgerCall] = {}
+        for method, args, kwargs in calls:
+            if method in _SUMMED and args and isinstance(args[-1], int):
+                key = (method, args[:-1], kwargs.get("request_id"))
+                previous = merged.get(key)
+                n = args[-1] + (previous[1][-1] if previous is not None else 0)
+                merged[key] = (method, (*args[:-1], n), kwargs)
+            else:
+                merged[(len(merged), method)] = (method, args, kwargs)
+        out.append((ledger, list(merged.values())))
+    return out
 
 
 def _comparable(kept: list[tuple[ExecutionLedger, list[LedgerCall]]]) -> list[Any]:
