@@ -140,6 +140,24 @@ def build_variants(workload: str, dense: nn.Module, inputs: dict[str, Any], regi
     return variants
 
 
+def host_checks_us(variant: Variant, n: int = 200) -> dict[str, float]:
+    """Microseconds per call of the graph runner's per-call checks on this model (the state watch, the signature)."""
+    from worldfoundry.core.acceleration.cuda_graph import call_signature
+
+    runner = variant.model._worldfoundry_accelerations.handles("cuda_graph")["model"].runner
+    out: dict[str, float] = {}
+    if runner._watch is not None:
+        start = time.perf_counter()
+        for _ in range(n):
+            runner._watch.check()
+        out["state_watch"] = (time.perf_counter() - start) / n * 1e6
+    start = time.perf_counter()
+    for _ in range(n):
+        call_signature((), variant.inputs)
+    out["signature"] = (time.perf_counter() - start) / n * 1e6
+    return out
+
+
 def prove(workload: str, variants: dict[str, Variant], device: torch.device,
           failures: list[str]) -> dict[str, dict[str, Any]]:
     """First calls (timed), steady-state outputs, checks against the anchors, memory."""
@@ -162,6 +180,7 @@ def prove(workload: str, variants: dict[str, Variant], device: torch.device,
             report = graph_report(variant.model)
             if report is not None:
                 proofs[name]["graphs"] = report
+                proofs[name]["host_checks_us"] = host_checks_us(variant)
         except Exception as exc:
             failures.append(f"{workload} {name}: proof failed: {type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -290,6 +309,8 @@ def main() -> None:
     for line in failures:
         print("FAILED:", line)
     print("\n".join(table(results)))
+    if args.smoke:
+        print("smoke run (CPU, tiny model, replay executor): the goals below are not measured")
     print("\n".join(goals(results)))
 
 
