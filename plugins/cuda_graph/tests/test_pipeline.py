@@ -57,3 +57,19 @@ def test_registered_plugin_on_cpu_runs_eagerly_with_reason() -> None:
         assert record["fallbacks"] == {NO_CUDA_DEVICE: 2 * STEPS}
         pipe.components.denoiser.uninstall()
         assert torch.equal(pipe.generate(_request("dense")).latents, result.latents)
+
+
+def test_routed_experts_each_keep_their_graphs(tools: Any) -> None:
+    registry = tools.make_registry()
+    with NativeDiffusionPipeline.from_pretrained("tiny-wan2.2-a14b", policy=RuntimePolicy(),
+                                                 registry=registry) as pipe:
+        denoiser = pipe.components.denoiser
+        dense = pipe.generate(_request("dense")).latents
+        denoiser.install({"cuda_graph": {}}, registry=registry)
+        result = pipe.generate(_request("g1"))
+        assert torch.equal(result.latents, dense)
+        records = result.receipts["plugins"]["cuda_graph"]
+        assert set(records) == {"high", "low"}
+        calls = sum(sum(r["modules"].get("<root>", {}).values()) for r in records.values())
+        assert calls == 2 * STEPS and all(not r["fallbacks"] for r in records.values())
+        denoiser.uninstall()
