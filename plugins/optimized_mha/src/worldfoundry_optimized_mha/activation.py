@@ -6,8 +6,9 @@ Everything is recorded with a :class:`PatchRecorder`; uninstall removes the fuse
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
     PatchRecorder,
     RecordedHandle,
 )
+from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
 from worldfoundry.core.attention.fused_projection import (
     ProjectionResult,
     SharedInputProjection,
@@ -91,6 +93,30 @@ class OptimizedMHAHandle(RecordedHandle):
     def end_request(self, request_id: str) -> None:
         self.fold_counts()
         self.ledger.finish(request_id)
+
+    # ------------------------------------------------------------------ CUDA-graph capture
+    def graph_call(self) -> GraphCall | None:
+        """Beside a CUDA-graph capture: the fused-branch calls count with plain counters, so a capture takes back
+        what its calls counted and every replay counts it again (``None`` without fused-branch groups)."""
+        if not self.branches:
+            return None
+        return GraphCall(serve=self._serve_capture, replayed=self._count_replay)
+
+    @contextlib.contextmanager
+    def _serve_capture(self, buffers: Sequence[Any]) -> Iterator[dict[str, dict[str, int]]]:
+        marks = {key: branch.projection.count_mark() for key, branch in self.branches.items()}
+        taken: dict[str, dict[str, int]] = {}
+        try:
+            yield taken
+        finally:
+            for key, mark in marks.items():
+                taken[key] = self.branches[key].projection.take_counts_since(mark)
+
+    def _count_replay(self, taken: dict[str, dict[str, int]]) -> None:
+        for key, events in taken.items():
+            branch = self.branches.get(key)
+            if branch is not None:
+                branch.projection.add_counts(events)
 
     def release(self) -> None:
         self.fold_counts()

@@ -116,6 +116,12 @@ class WanCrossKVHandle(RecordedHandle):
         self._order = []
         self._watch = None
 
+    def graph_call(self) -> Any:
+        """Beside a CUDA-graph capture of the model's forward: see :mod:`.graph_state`."""
+        from worldfoundry_wan_cross_kv_fusion.graph_state import graph_call
+
+        return graph_call(self, _get_ident())
+
     def fold_counts(self) -> None:
         """Move the hit counters of the validated forwards into the ledger (cheap; safe to call any time)."""
         with self._lock:
