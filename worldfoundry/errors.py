@@ -147,13 +147,17 @@ class RequestError(WorldFoundryError, ValueError):
 
 
 class UnknownRecipeError(WorldFoundryError, KeyError):
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    """No recipe of that name among the installed recipes (the working directory is never searched)."""
+
+    def __init__(self, name: str, known: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.known = tuple(sorted(known))
+        self.hint = hint
         super().__init__(name)
 
     def __str__(self) -> str:
-        return f"unknown recipe {self.name!r}; known recipes: {', '.join(self.known)}"
+        text = f"unknown recipe {self.name!r}; known recipes: {', '.join(self.known)}"
+        return f"{text}. {self.hint}" if self.hint else text
 
 
 class RecipeError(WorldFoundryError, ValueError):
@@ -259,6 +263,10 @@ class CandidateSchemaError(WorldFoundryError, ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         super().__init__(f"{path}: {message}")
+
+
+class BenchArgumentError(WorldFoundryError, ValueError):
+    """Benchmark arguments contradict each other or are out of range (``--model`` with ``--recipe-file``, ...)."""
 
 
 class PipelineClosedError(WorldFoundryError, RuntimeError):

@@ -4,6 +4,7 @@ interleaved paired timing -> verdict; finally results.json, report.md and plots.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 from worldfoundry.bench.candidates import Candidate, CandidateFile, load_candidates
 from worldfoundry.bench.execution import prove_execution
 from worldfoundry.bench.metrics import quality, relative_l2, within_budget
+from worldfoundry.bench.preflight import check_workload, resolve_model
 from worldfoundry.bench.provenance import (
     GpuSharingMonitor,
     artifact_paths,
@@ -25,11 +27,11 @@ from worldfoundry.bench.provenance import (
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
 from worldfoundry.bench.stats import decide, summarize_speed
-from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
+from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline, resolve_recipe
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.core.model_loading.recipes import project_root, recipe_dirs
-from worldfoundry.errors import WorldFoundryError
+from worldfoundry.errors import BenchArgumentError, WorldFoundryError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class BenchConfig:
     random_weights: bool = False
     require_clean: bool = False
     progress: bool = True
+    #: an explicit recipe file (``--recipe-file``); exclusive with ``model``.
+    recipe_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,21 +92,31 @@ class _Runner:
         return self.pipe.generate(self.request(seed, tag, decode=decode))
 
 
-def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None) -> dict[str, Any]:
+def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
+              announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run a benchmark and write its outputs to ``config.out``. Returns the results mapping.
 
+    The candidate file, the recipe, the workload against the recipe and the CLI values are all validated before
+    any model is built and before ``config.out`` is created.
+
+    Args:
+        announce: called with a one-line message before a recipe file named by a path is read (the CLI prints it).
+
     Raises:
-        CandidateSchemaError: the candidate file is invalid (nothing was loaded).
+        CandidateSchemaError: the candidate file or the workload is invalid (nothing was loaded or created).
+        BenchArgumentError: contradictory or out-of-range arguments.
         DirtyTreeError: ``require_clean`` and the checkout is dirty.
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
     candidates_path = config.candidates or str(default_candidates_path())
     cfile = load_candidates(candidates_path, registry=registry)  # validated before loading anything
-    model = config.model or cfile.model or DEFAULT_MODEL
+    choice = resolve_model(config.model, config.recipe_file, cfile, DEFAULT_MODEL, announce)
+    model = choice.model
+    check_workload(cfile.workload, resolve_recipe(model)[0], cli_seeds=config.seeds)
     seeds = list(config.seeds or cfile.seeds)
     rounds = int(config.rounds or cfile.rounds or 3)
-    if rounds < 3 and not config.quality_only:
-        raise ValueError(f"rounds: at least 3 interleaved paired rounds are required, got {rounds}")
+    if not config.quality_only and not 3 <= rounds <= 10_000:
+        raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
     git = git_state(project_root())
     if git.get("dirty") and config.require_clean:
         raise DirtyTreeError(f"the checkout has uncommitted changes ({git['changed'][:5]}); commit them or drop "

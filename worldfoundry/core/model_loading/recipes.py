@@ -235,5 +235,8 @@ def load_recipe(name_or_path: str | os.PathLike[str]) -> Recipe:
     known = available_recipes()
     key = str(name_or_path)
     if key not in known:
-        raise UnknownRecipeError(key, known)
+        local = [p for p in (Path("recipes") / f"{key}{s}" for s in RECIPE_SUFFIXES) if p.is_file()]
+        hint = (f"{local[0]} in the working directory is not used by name; pass its path explicitly "
+                f"(e.g. --recipe-file {local[0]}) if you trust it" if local else "")
+        raise UnknownRecipeError(key, known, hint)
     return read_recipe_file(known[key])
