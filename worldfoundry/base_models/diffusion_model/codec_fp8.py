@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENCODER_PREFIX: Final = "encoder."
+#: Largest calibration clip file read.
+MAX_CLIP_BYTES: Final = 8 << 30
 DEFAULT_INCLUDE: Final = ("encoder.*",)
 
 
@@ -114,6 +116,10 @@ def load_clip(path: str | os.PathLike[str], frames: int) -> torch.Tensor:
     if frames < 1 or (frames - 1) % 4:
         raise InvalidRequestError(f"--frames must be 1 + 4k, got {frames}")
     try:
+        check_input_file(path, what="calibration clip", max_bytes=MAX_CLIP_BYTES)
+    except InputFileError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    try:
         data = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unreadable files
         raise InvalidRequestError(f"{path}: cannot read calibration clip ({type(exc).__name__}: {exc})") from exc
@@ -132,7 +138,10 @@ def load_clip(path: str | os.PathLike[str], frames: int) -> torch.Tensor:
         raise InvalidRequestError(f"{path}: expected (B, 3, T, H, W) in [-1, 1], got {tuple(video.shape)} {video.dtype}")
     if video.shape[2] < frames:
         raise InvalidRequestError(f"{path}: has {video.shape[2]} frames, fewer than --frames {frames}")
-    return video[:1, :, :frames].float().contiguous()
+    clip = video[:1, :, :frames].float().contiguous()
+    if not bool(torch.isfinite(clip).all()):
+        raise InvalidRequestError(f"{path}: the clip holds NaN or Inf values; use an intact clip")
+    return clip
 
 
 # --------------------------------------------------------------------------------------------- calibration
