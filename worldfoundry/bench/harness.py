@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from worldfoundry.bench.candidates import Candidate, CandidateFile, load_candidates
 from worldfoundry.bench.execution import prove_execution
 from worldfoundry.bench.metrics import quality, relative_l2, within_budget
-from worldfoundry.bench.preflight import check_workload, resolve_model
+from worldfoundry.bench.preflight import ModelChoice, check_workload, resolve_model
 from worldfoundry.bench.provenance import (
     GpuSharingMonitor,
     artifact_paths,
@@ -92,12 +92,43 @@ class _Runner:
         return self.pipe.generate(self.request(seed, tag, decode=decode))
 
 
+@dataclass(frozen=True)
+class BenchPlan:
+    """A validated run: the candidate file, the chosen recipe, seeds and rounds. Building it loads nothing."""
+
+    candidates_path: str
+    cfile: CandidateFile
+    choice: ModelChoice
+    seeds: list[int]
+    rounds: int
+
+
+def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
+               announce: Callable[[str], None] | None = None) -> BenchPlan:
+    """Validate everything a run needs — candidate file, recipe, workload against the recipe, CLI values — without
+    building a model or creating ``config.out``.
+
+    Raises:
+        CandidateSchemaError: the candidate file or the workload is invalid (with its JSON path).
+        BenchArgumentError: contradictory or out-of-range arguments.
+        UnknownRecipeError / RecipeError / InputFileError: the recipe cannot be used.
+    """
+    registry = registry if registry is not None else diffusion_acceleration_registry()
+    candidates_path = config.candidates or str(default_candidates_path())
+    cfile = load_candidates(candidates_path, registry=registry)
+    choice = resolve_model(config.model, config.recipe_file, cfile, DEFAULT_MODEL, announce)
+    check_workload(cfile.workload, resolve_recipe(choice.model)[0], cli_seeds=config.seeds)
+    rounds = int(config.rounds or cfile.rounds or 3)
+    if not config.quality_only and not 3 <= rounds <= 10_000:
+        raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
+    return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds)
+
+
 def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run a benchmark and write its outputs to ``config.out``. Returns the results mapping.
 
-    The candidate file, the recipe, the workload against the recipe and the CLI values are all validated before
-    any model is built and before ``config.out`` is created.
+    Everything is validated by :func:`plan_bench` before any model is built and before ``config.out`` is created.
 
     Args:
         announce: called with a one-line message before a recipe file named by a path is read (the CLI prints it).
@@ -108,22 +139,16 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
         DirtyTreeError: ``require_clean`` and the checkout is dirty.
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
-    candidates_path = config.candidates or str(default_candidates_path())
-    cfile = load_candidates(candidates_path, registry=registry)  # validated before loading anything
-    choice = resolve_model(config.model, config.recipe_file, cfile, DEFAULT_MODEL, announce)
-    model = choice.model
-    check_workload(cfile.workload, resolve_recipe(model)[0], cli_seeds=config.seeds)
-    seeds = list(config.seeds or cfile.seeds)
-    rounds = int(config.rounds or cfile.rounds or 3)
-    if not config.quality_only and not 3 <= rounds <= 10_000:
-        raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
+    plan = plan_bench(config, registry=registry, announce=announce)
+    candidates_path, cfile, model, seeds, rounds = (plan.candidates_path, plan.cfile, plan.choice.model, plan.seeds,
+                                                    plan.rounds)
     git = git_state(project_root())
     if git.get("dirty") and config.require_clean:
         raise DirtyTreeError(f"the checkout has uncommitted changes ({git['changed'][:5]}); commit them or drop "
                              "--require-clean")
+    policy = RuntimePolicy(device=config.device, dtype=config.dtype)
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy = RuntimePolicy(device=config.device, dtype=config.dtype)
     pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
                                                    random_weights=config.random_weights, registry=registry)
     try:
