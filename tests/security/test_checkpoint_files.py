@@ -128,3 +128,25 @@ def test_finiteness_check_names_the_first_bad_tensor() -> None:
     check_finite_tensors({"a": good, "i": torch.arange(3)}, where="f")
     with pytest.raises(NonFiniteWeightsError, match="'b' holds 2 NaN/Inf"):
         check_finite_tensors({"a": good, "b": bad}, where="f")
+
+
+def test_tensor_store_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from worldfoundry.core.model_loading.tensor_store import SafetensorsTensorStore
+
+    fifo = tmp_path / "w.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        SafetensorsTensorStore(fifo)
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
+def test_tokenizer_files_are_stat_checked(tiny_dir) -> None:
+    from worldfoundry.core.model_loading.weights import check_component_dir
+
+    tok = tiny_dir[0] / "tokenizer"
+    tok.mkdir()
+    (tok / "spiece.model").symlink_to("/dev/zero")
+    with pytest.raises(InputFileError, match="character device"):
+        check_component_dir(tok)

@@ -94,8 +94,8 @@ def build_random(spec: ComponentSpec, recipe: Recipe, *, seed: int, device: torc
 def check_component_dir(where: Path) -> None:
     """Stat and check every file of a diffusers/transformers component directory before anything reads it.
 
-    Weight files must be regular files within :data:`MAX_WEIGHT_FILE_BYTES` with a valid safetensors header
-    (``.safetensors``); JSON files (config, shard index) must be strict JSON; an index's shard names must be plain
+    Every file must be a regular file within :data:`MAX_WEIGHT_FILE_BYTES`, safetensors files with a valid
+    header; JSON files (config, shard index) must be strict JSON; an index's shard names must be plain
     file names inside ``where``.
 
     Raises:
@@ -118,6 +118,8 @@ def check_component_dir(where: Path) -> None:
             check_input_file(file, what="weight file", max_bytes=MAX_WEIGHT_FILE_BYTES)
             if file.suffix == ".safetensors":
                 SafetensorsTensorStore(file)  # validates the header and the byte layout; reads no tensor
+        elif not file.is_dir():  # tokenizer models, vocabularies, ...: regular files within the bound
+            check_input_file(file, what="checkpoint file", max_bytes=MAX_WEIGHT_FILE_BYTES)
 
 
 def _from_pretrained(cls: type, location: str, subfolder: str | None, dtype: torch.dtype | None) -> nn.Module:
