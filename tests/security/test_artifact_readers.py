@@ -28,7 +28,6 @@ from worldfoundry.base_models.diffusion_model.codec_fp8 import (
     validate_artifact,
 )
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.core.offload.residency_config import read_residency_config
 from worldfoundry.errors import (
     AccelerationOptionsError,
     ArtifactMismatchError,
@@ -264,6 +263,8 @@ def test_in_memory_lora_with_a_meta_tensor_is_refused() -> None:
     ('{"offload_resident_blocks": ' + "[" * 50 + "]" * 50 + "}", "nesting", "config"),
 ])
 def test_residency_config_fields(tmp_path, content, text, path) -> None:
+    from worldfoundry_resident_blocks.residency_config import read_residency_config
+
     file = tmp_path / "r.json"
     file.write_text(content)
     with pytest.raises(AccelerationOptionsError, match=text) as info:
@@ -272,6 +273,8 @@ def test_residency_config_fields(tmp_path, content, text, path) -> None:
 
 
 def test_residency_config_special_files(tmp_path) -> None:
+    from worldfoundry_resident_blocks.residency_config import read_residency_config
+
     with pytest.raises(AccelerationOptionsError, match="is a directory"):
         read_residency_config(tmp_path)
     if HAS_DEV_ZERO:

@@ -1,4 +1,5 @@
-"""Reading a residency config file (what ``worldfoundry estimate-residency`` writes) as untrusted data.
+"""Reading a ``resident_blocks`` residency config file (what ``worldfoundry estimate-residency`` writes) as
+untrusted data.
 
 The file is stat-checked (a regular file of at most :data:`MAX_RESIDENCY_CONFIG_BYTES`; directories, FIFOs and
 devices such as ``/dev/zero`` are refused before reading), decoded as strict UTF-8 JSON (duplicate keys, ``NaN``,
@@ -22,6 +23,8 @@ from typing import Any, Final
 from worldfoundry.core.model_loading.input_files import load_json_file
 from worldfoundry.errors import AccelerationOptionsError, InputFileError, JsonInputError
 
+#: The plugin these configs belong to (named in errors).
+PLUGIN: Final = "resident_blocks"
 #: Keys a residency config may hold (``estimate-residency`` writes all four).
 RESIDENCY_CONFIG_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices",
                                 "num_blocks")
@@ -34,7 +37,7 @@ def _is_count(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_BLOCKS
 
 
-def read_residency_config(path: str | os.PathLike[str], *, plugin: str = "resident_blocks") -> dict[str, Any]:
+def read_residency_config(path: str | os.PathLike[str], *, plugin: str = PLUGIN) -> dict[str, Any]:
     """Read and check a residency config.
 
     Args:
