@@ -10,14 +10,14 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.model_loading.input_files import read_input_bytes
-from worldfoundry.errors import AccelerationOptionsError, ArtifactMismatchError, InputFileError
+from worldfoundry.errors import AccelerationOptionsError, ArtifactMismatchError
 from worldfoundry_attention_lora.options import NAME
+
+IDENTITY_FILE: Final = "file_sha256"
+IDENTITY_STATE: Final = "state_dict_sha256"
 
 #: Largest adapter file read (the released MiniMax-H3 attention adapters are a few hundred MiB).
 MAX_ADAPTER_BYTES: Final = 16 << 30
-IDENTITY_FILE: Final = "file_sha256"
-IDENTITY_STATE: Final = "state_dict_sha256"
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ def load_adapter_file(path: str | os.PathLike[str] | None) -> AdapterSource:
     """
     from safetensors import SafetensorError
     from safetensors.torch import load as load_safetensors
+
+    from worldfoundry.core.model_loading.input_files import read_input_bytes
+    from worldfoundry.errors import InputFileError
 
     if path is None or not os.fspath(path):
         raise AccelerationOptionsError(
