@@ -30,9 +30,8 @@ import torch.nn as nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+from worldfoundry.core.model_loading.input_files import load_json_file
 from worldfoundry.errors import CheckpointError, RecipeError
-
-from worldfoundry.core.model_loading.input_files import load_json_file  # noqa: E402  (strict JSON for configs)
 
 #: Families whose block inputs the estimator knows how to build.
 ESTIMATOR_FAMILIES: Final = ("wan", "minimax_h3", "sana_video")
