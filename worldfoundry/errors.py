@@ -194,6 +194,42 @@ class ArtifactMismatchError(WorldFoundryError, ValueError):
     """An artifact (calibration, bundle, adapter) does not match the model or checkpoint it is used with."""
 
 
+class InvalidRequestError(WorldFoundryError, ValueError):
+    """A generation request has invalid fields (frame count, size, steps, ...)."""
+
+
+class CandidateSchemaError(WorldFoundryError, ValueError):
+    """A benchmark candidate file does not match the documented schema. The message names the JSON path."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}")
+
+
+class BenchArgumentError(WorldFoundryError, ValueError):
+    """Benchmark arguments contradict each other or are out of range (``--model`` with ``--recipe-file``, ...)."""
+
+
+class PipelineClosedError(WorldFoundryError, RuntimeError):
+    """The pipeline was closed; build a new one."""
+
+
+class UnsupportedCodecOptionError(WorldFoundryError, ValueError):
+    """A video codec option (build purpose, precision, tiling, offload, ...) is not supported; ``.option`` names it."""
+
+    def __init__(self, option: str, reason: str) -> None:
+        self.option = option
+        self.reason = reason
+        super().__init__(f"video codec option {option!r} refused: {reason}")
+
+
+class QuantizationInputError(WorldFoundryError, ValueError):
+    """A tensor handed to a quantization routine has an unsupported dtype, shape, layout or device."""
+
+
+# --- untrusted files -----------------------------------------------------------------------------
+
+
 class CheckpointKeysError(CheckpointError):
     """A checkpoint's tensor names differ from the model's: ``.missing`` and ``.unexpected`` list them all."""
 
@@ -251,39 +287,6 @@ class CalibrationArtifactError(ArtifactMismatchError):
         self.file = file
         self.key = key
         super().__init__(f"{file}: {key}: {message}; write the artifact again with calibrate_plugins.py")
-
-
-class InvalidRequestError(WorldFoundryError, ValueError):
-    """A generation request has invalid fields (frame count, size, steps, ...)."""
-
-
-class CandidateSchemaError(WorldFoundryError, ValueError):
-    """A benchmark candidate file does not match the documented schema. The message names the JSON path."""
-
-    def __init__(self, path: str, message: str) -> None:
-        self.path = path
-        super().__init__(f"{path}: {message}")
-
-
-class BenchArgumentError(WorldFoundryError, ValueError):
-    """Benchmark arguments contradict each other or are out of range (``--model`` with ``--recipe-file``, ...)."""
-
-
-class PipelineClosedError(WorldFoundryError, RuntimeError):
-    """The pipeline was closed; build a new one."""
-
-
-class UnsupportedCodecOptionError(WorldFoundryError, ValueError):
-    """A video codec option (build purpose, precision, tiling, offload, ...) is not supported; ``.option`` names it."""
-
-    def __init__(self, option: str, reason: str) -> None:
-        self.option = option
-        self.reason = reason
-        super().__init__(f"video codec option {option!r} refused: {reason}")
-
-
-class QuantizationInputError(WorldFoundryError, ValueError):
-    """A tensor handed to a quantization routine has an unsupported dtype, shape, layout or device."""
 
 
 # --- attention -----------------------------------------------------------------------------------

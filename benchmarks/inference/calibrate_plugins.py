@@ -8,15 +8,15 @@ Subcommands (``CALIBRATIONS``; add one with :func:`register_calibration`):
 
 Calibration uses its own clips (seeds/prompts 11 and 12); evaluations use 42 and 43.
 
+Inputs are data: checkpoints and clips are read with ``torch.load(weights_only=True)`` after a stat check, and a
+refused input (corrupt, poisoned with pickled code, NaN weights, a special file) ends the command with one
+``error:`` line and exit status 2.
+
 Usage::
 
     python benchmarks/inference/calibrate_plugins.py lightvae_fp8 --checkpoint lightvaew2_1.pth \
         --reference calibration_11.pt calibration_12.pt --include 'encoder.*' --frames 17 --out lightvae-fp8.pt
     python benchmarks/inference/calibrate_plugins.py lightvae_fp8 --smoke --out /tmp/lightvae-fp8.pt   # CPU
-
-Inputs are data: checkpoints and clips are read with ``torch.load(weights_only=True)`` after a stat check, and a
-refused input (corrupt, poisoned with pickled code, NaN weights, a special file) ends the command with one
-``error:`` line and exit status 2.
 """
 
 from __future__ import annotations

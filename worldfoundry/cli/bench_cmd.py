@@ -12,10 +12,10 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="recipe name (default: the candidate file's, else tiny-wan2.1)")
-    p.add_argument("--recipe-file", default=None, metavar="PATH",
-                   help="an explicit recipe YAML file (recipes are never looked up in the working directory)")
     p.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory")
     p.add_argument("--candidates", default=None, help="candidate JSON (default recipes/candidates/default.json)")
+    p.add_argument("--recipe-file", default=None, metavar="PATH",
+                   help="an explicit recipe YAML file (recipes are never looked up in the working directory)")
     p.add_argument("--out", default="bench_out", help="output directory (results.json, report.md, PNG plots)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bf16, fp16)")
