@@ -131,7 +131,7 @@ def validate_plugin_options(path: str, name: str, options: Mapping[str, Any], re
     try:
         entry = registry.get(name)
     except UnknownAccelerationError as exc:
-        raise CandidateSchemaError(path, f"unknown acceleration {name!r}; known: {', '.join(exc.known) or 'none'}") from exc
+        raise CandidateSchemaError(path, str(exc)) from exc  # names the known ones and what to install
     options_class = getattr(entry, "options", None) or getattr(entry.factory, "options_class", None)
     if options_class is None:
         return
