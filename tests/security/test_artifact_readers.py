@@ -287,3 +287,14 @@ def test_residency_config_special_files(tmp_path) -> None:
 def test_every_refusal_here_is_a_worldfoundry_error() -> None:
     for cls in (CalibrationArtifactError, NonFiniteWeightsError, AccelerationOptionsError, InvalidRequestError):
         assert issubclass(cls, WorldFoundryError)
+
+
+def test_residency_config_errors_carry_the_callers_json_path(tmp_path) -> None:
+    from worldfoundry_resident_blocks.residency_config import read_residency_config
+
+    file = tmp_path / "r.json"
+    file.write_text('{"offload_resident_blocks": true}')
+    where = "candidates[0].accelerations.resident_blocks.config"
+    with pytest.raises(AccelerationOptionsError) as info:
+        read_residency_config(file, where=where)
+    assert info.value.path == f"{where}.offload_resident_blocks"

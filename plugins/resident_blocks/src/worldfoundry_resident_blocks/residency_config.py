@@ -37,35 +37,36 @@ def _is_count(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_BLOCKS
 
 
-def read_residency_config(path: str | os.PathLike[str], *, plugin: str = PLUGIN) -> dict[str, Any]:
+def read_residency_config(path: str | os.PathLike[str], *, plugin: str = PLUGIN, where: str = "config") -> dict[str, Any]:
     """Read and check a residency config.
 
     Args:
         path: the JSON file.
         plugin: the plugin name used in errors.
+        where: the JSON path of the option naming the file (``candidates[0].accelerations.resident_blocks.config``).
 
     Returns:
         The config's fields (``resident_block_indices`` as a list).
 
     Raises:
         AccelerationOptionsError: the file is missing, not a regular file, too large, malformed JSON, has an
-            unknown key or a value of the wrong type or range; ``.path`` is ``config`` or ``config.<key>``.
+            unknown key or a value of the wrong type or range; ``.path`` is ``where`` or ``<where>.<key>``.
     """
     name = os.fspath(path)
     try:
         data = load_json_file(name, what="residency config", max_bytes=MAX_RESIDENCY_CONFIG_BYTES, max_depth=4)
     except InputFileError as exc:
-        raise AccelerationOptionsError(plugin, f"config: {exc}; run `worldfoundry estimate-residency ...` to write "
-                                               "one", path="config") from exc
+        raise AccelerationOptionsError(plugin, f"{where}: {exc}; run `worldfoundry estimate-residency ...` to write "
+                                               "one", path=where) from exc
     except JsonInputError as exc:
-        raise AccelerationOptionsError(plugin, f"config: {exc}", path="config") from exc
+        raise AccelerationOptionsError(plugin, f"{where}: {exc}", path=where) from exc
     if not isinstance(data, dict):
-        raise AccelerationOptionsError(plugin, f"config: {name} must hold a JSON object", path="config")
+        raise AccelerationOptionsError(plugin, f"{where}: {name} must hold a JSON object", path=where)
     unknown = sorted(k for k in data if k not in RESIDENCY_CONFIG_KEYS)
     if unknown:
         raise AccelerationOptionsError(
-            plugin, f"config: {name} has unknown key(s) {unknown}; known keys: {list(RESIDENCY_CONFIG_KEYS)}",
-            path="config")
+            plugin, f"{where}: {name} has unknown key(s) {unknown}; known keys: {list(RESIDENCY_CONFIG_KEYS)}",
+            path=where)
     checks = {
         "offload_resident_blocks": (lambda v: _is_count(v), "an integer in [0, 100000]"),
         "cpu_offload_block_contiguous": (lambda v: isinstance(v, bool), "true or false"),
@@ -75,12 +76,12 @@ def read_residency_config(path: str | os.PathLike[str], *, plugin: str = PLUGIN)
             "a list of block indices (integers >= 0)"),
     }
     if "offload_resident_blocks" not in data:
-        raise AccelerationOptionsError(plugin, f"config: {name} has no offload_resident_blocks", path="config")
+        raise AccelerationOptionsError(plugin, f"{where}: {name} has no offload_resident_blocks", path=where)
     for key, (ok, expected) in checks.items():
         if key in data and not ok(data[key]):
             shown = repr(data[key])
             raise AccelerationOptionsError(
-                plugin, f"config.{key}: {name}: expected {expected}, got {shown[:60]}", path=f"config.{key}")
+                plugin, f"{where}.{key}: {name}: expected {expected}, got {shown[:60]}", path=f"{where}.{key}")
     return data
 
 
