@@ -139,17 +139,19 @@ def test_checkpoint_sha256_must_be_hex(student) -> None:
     assert validate_artifact(student["artifact"], encoder, checkpoint_sha256=student["artifact"]["checkpoint"]["sha256"])
 
 
-def test_malformed_artifact_through_the_plugin_is_typed_not_prepare_failed(student, tmp_path) -> None:
+@pytest.mark.parametrize(("field", "value", "key"), MALFORMED)
+def test_malformed_artifact_through_the_plugin_is_typed_not_prepare_failed(student, tmp_path, field, value,
+                                                                           key) -> None:
     from worldfoundry_lightvae.plugin import prepare
 
     registry = AccelerationRegistry(discover=False)
     registry.register("lightvae", prepare)
-    path = save_artifact(_set(student["artifact"], "checkpoint", "x"), tmp_path / "bad.pt")
+    path = save_artifact(_set(student["artifact"], field, value), tmp_path / "bad.pt")
     codec = student["codec"]
     before = {k: v.clone() for k, v in codec.module.encoder.state_dict().items()}
-    with pytest.raises(CalibrationArtifactError, match="checkpoint: expected a mapping") as info:
+    with pytest.raises(CalibrationArtifactError) as info:
         install_fp8_encoder(codec, path, backend="reference", registry=registry)
-    assert "prepare failed" not in str(info.value)
+    assert info.value.key == key and str(path) in str(info.value) and "prepare failed" not in str(info.value)
     assert codec.fp8_session is None and all(torch.equal(before[k], v) for k, v in codec.module.encoder.state_dict().items())
 
 

@@ -18,6 +18,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from worldfoundry.core.acceleration.options import options_class_of
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.errors import AccelerationOptionsError, CandidateSchemaError, UnknownAccelerationError
 
@@ -136,7 +137,8 @@ def validate_plugin_options(path: str, name: str, options: Mapping[str, Any], re
     if options_class is None:
         return
     from_mapping = getattr(options_class, "from_mapping", None)
-    _legacy_field_checks(path, options, options_class, from_mapping is not None)
+    if options_class_of(options_class) is None:  # PluginOptions check their own fields, with paths
+        _legacy_field_checks(path, options, options_class, from_mapping is not None)
     if from_mapping is None:
         return
     try:
