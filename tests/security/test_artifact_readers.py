@@ -300,3 +300,16 @@ def test_residency_config_errors_carry_the_callers_json_path(tmp_path) -> None:
     with pytest.raises(AccelerationOptionsError) as info:
         read_residency_config(file, where=where)
     assert info.value.path == f"{where}.offload_resident_blocks"
+
+
+
+def test_adapter_parser_refuses_meta_tensors_by_key(tiny_wan) -> None:
+    from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import parse_attention_lora
+
+    q = tiny_wan.blocks[0].attn1.to_q
+    state = {"blocks.0.attn1.to_q.lora_A.weight": torch.empty(4, q.in_features, device="meta"),
+             "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(q.out_features, 4)}
+    with pytest.raises(ArtifactMismatchError, match="'blocks.0.attn1.to_q.lora_A.weight': a meta tensor"):
+        parse_attention_lora(tiny_wan, state, rank=4)
+    state["blocks.0.attn1.to_q.lora_A.weight"] = torch.zeros(4, q.in_features)
+    assert parse_attention_lora(tiny_wan, state, rank=4).paths == ("blocks.0.attn1.to_q",)
