@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"recipe name (default: the candidate file's, else {DEFAULT_MODEL})")
     p.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory")
     p.add_argument("--candidates", default=None, help="candidate JSON (default recipes/candidates/default.json)")
+    p.add_argument("--recipe-file", default=None, metavar="PATH",
+                   help="an explicit recipe YAML file (recipes are never looked up in the working directory)")
     p.add_argument("--out", default="bench_out", help="output directory (results.json, report.md, PNG plots)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bf16, fp16)")
@@ -84,9 +86,10 @@ def _run(args: argparse.Namespace) -> int:
         model=args.model, candidates=args.candidates, out=args.out, checkpoint_dir=args.checkpoint_dir,
         device=args.device, dtype=args.dtype, rounds=args.rounds, seeds=args.seeds, quality_only=args.quality_only,
         random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
+        recipe_file=args.recipe_file,
     )
     try:
-        results = run_bench(config)
+        results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))
     except (WorldFoundryError, ValueError) as exc:
         print(f"worldfoundry bench: {exc}", file=sys.stderr)
         return 2

@@ -223,9 +223,15 @@ def _load_text_side(loaded: LoadedComponents, recipe: Recipe, policy: RuntimePol
 def _load_pretrained_tokenizer(recipe: Recipe, spec: ComponentSpec, ckpt: str | None) -> Any:
     from transformers import AutoTokenizer
 
+    from pathlib import Path
+
+    from worldfoundry.core.model_loading.weights import check_component_dir
+
     looked_at = []
     for location in ([ckpt] if ckpt else []) + ([recipe.hf_repo] if recipe.hf_repo else []):
         looked_at.append(f"{location}/{spec.subfolder or 'tokenizer'}")
+        if location == ckpt and (Path(ckpt) / (spec.subfolder or "tokenizer")).is_dir():
+            check_component_dir(Path(ckpt) / (spec.subfolder or "tokenizer"))  # stat every file before reading
         try:
             return AutoTokenizer.from_pretrained(location, subfolder=spec.subfolder or "tokenizer",
                                                  local_files_only=True)

@@ -200,12 +200,13 @@ class RuntimePolicy:
         """
         from omegaconf import OmegaConf
 
+        from worldfoundry.core.model_loading.input_files import load_yaml_file
+
         try:
             if isinstance(path_or_mapping, Mapping):
-                conf = OmegaConf.create(thaw(path_or_mapping))
-            else:
-                conf = OmegaConf.load(os.fspath(path_or_mapping))
-            data = OmegaConf.to_container(conf, resolve=True)
+                data = OmegaConf.to_container(OmegaConf.create(thaw(path_or_mapping)), resolve=True)
+            else:  # a file is data: stat first, bounded read, no OmegaConf resolvers
+                data = load_yaml_file(path_or_mapping, what="policy config", max_bytes=1 << 20)
         except (OSError, ValueError, TypeError) as exc:
             raise PolicyError(f"cannot read policy config {path_or_mapping!r}: {exc}") from exc
         except Exception as exc:  # OmegaConf raises its own error types for syntax problems

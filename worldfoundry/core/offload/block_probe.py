@@ -18,7 +18,6 @@ Inputs follow what the model's own forward hands its blocks:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ import torch.nn as nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+from worldfoundry.core.model_loading.input_files import load_json_file
 from worldfoundry.errors import CheckpointError, RecipeError
 
 #: Families whose block inputs the estimator knows how to build.
@@ -72,13 +72,10 @@ class DiTSource:
 
 
 def _import(path: str) -> type:
-    import importlib
+    """The DiT class through the recipe class allowlist (a config file never imports arbitrary code)."""
+    from worldfoundry.core.model_loading.class_allowlist import resolve_class
 
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise RecipeError(f"cannot import DiT class {path!r}: {exc}") from exc
+    return resolve_class(path, recipe="estimate-residency", component="denoiser")
 
 
 def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | None = None) -> DiTSource:
@@ -101,7 +98,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
     text_tokens = None
     strides: dict[str, Any] = {}
     if path.suffix == ".json" and path.is_file():
-        config = json.loads(path.read_text())
+        config = load_json_file(path, what="transformer config")
         class_name = config.get("_class_name")
         if not class_name:
             raise RecipeError(f"{path}: a diffusers config needs a _class_name")
@@ -133,7 +130,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
             raise CheckpointError(f"checkpoint directory {weights_dir} does not exist")
         cfg_file = weights_dir / "config.json"
         if cfg_file.is_file():
-            ckpt_config = json.loads(cfg_file.read_text())
+            ckpt_config = load_json_file(cfg_file, what="transformer config")
             config = {k: v for k, v in ckpt_config.items() if not k.startswith("_")}
             origin = str(cfg_file)
     return DiTSource(str(recipe), class_path, {k: v for k, v in config.items() if not k.startswith("_")},
@@ -171,7 +168,7 @@ def _read_block_tensors(weights_dir: Path, prefix: str) -> dict[str, torch.Tenso
 
     index = weights_dir / _SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = load_json_file(index, what="safetensors index").get("weight_map", {})
         files = sorted({weights_dir / f for k, f in weight_map.items() if k.startswith(prefix)})
     else:
         files = sorted(weights_dir.glob("*.safetensors"))
