@@ -119,7 +119,7 @@ def test_deep_nesting_is_refused_without_recursion(tmp_path, capsys, no_model) -
 
 def test_candidate_path_that_is_a_directory_or_special_file(tmp_path, capsys, no_model) -> None:
     rc, err = _cli(tmp_path, tmp_path, capsys)
-    assert rc == 2 and "is a directory, not a regular file" in err
+    assert rc == 2 and "is a directory" in err and err.count("\n") == 1  # one line, from the first check that sees it
     if Path("/dev/zero").exists():
         rc, err = _cli(tmp_path, Path("/dev/zero"), capsys)
         assert rc == 2 and "character device" in err
@@ -127,8 +127,8 @@ def test_candidate_path_that_is_a_directory_or_special_file(tmp_path, capsys, no
     os.mkfifo(fifo)  # opening it for reading would block forever: it is refused from its stat
     with pytest.raises(CandidateSchemaError, match="FIFO"):
         load_candidates(fifo, registry=diffusion_acceleration_registry())
-    rc, err = _cli(tmp_path, tmp_path / "absent.json", capsys)
-    assert rc == 2 and "does not exist" in err
+    rc, err = _cli(tmp_path, tmp_path / "absent.json", capsys)  # the CLI's argument check or the reader
+    assert rc == 2 and ("does not exist" in err or "missing" in err)
 
 
 def test_duplicate_keys_are_refused_with_their_path(tmp_path, capsys, no_model, candidate_document) -> None:

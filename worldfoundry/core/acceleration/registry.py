@@ -21,15 +21,23 @@ PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
 
 #: Built-in acceleration name -> the distribution (under ``plugins/``) that registers it; the ``all`` extra of
 #: the core distribution lists the same distributions.
-BUILTIN_PLUGIN_DISTRIBUTIONS: dict[str, str] = {
-    "attention_lora": "worldfoundry-attention-lora",
-    "easycache": "worldfoundry-easycache",
-    "lightvae": "worldfoundry-lightvae",
-    "optimized_mha": "worldfoundry-optimized-mha",
-    "resident_blocks": "worldfoundry-resident-blocks",
-    "selective_fp8": "worldfoundry-selective-fp8",
-    "wan_cross_kv_fusion": "worldfoundry-wan-cross-kv-fusion",
-}
+def bundled_distribution(name: str) -> str | None:
+    """The distribution of the ``worldfoundry[all]`` extra that provides ``name``, if it is one of them.
+
+    Built-in plugins follow one naming rule (``easycache`` → ``worldfoundry-easycache``); the extra's list in the
+    installed core's metadata says which exist, so core holds no plugin names.
+    """
+    candidate = "worldfoundry-" + name.replace("_", "-")
+    try:
+        requirements = importlib_metadata.requires("worldfoundry") or []
+    except importlib_metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        head, _, marker = requirement.partition(";")
+        base = head.strip().split("==")[0].split(">=")[0].split("[")[0].strip().lower()
+        if base == candidate and "all" in marker:
+            return candidate
+    return None
 
 
 @dataclass(frozen=True)
@@ -183,7 +191,7 @@ class AccelerationRegistry:
     def _unknown(self, name: str) -> UnknownAccelerationError:
         """The error for ``name`` with what helps: the built-in distribution, or the allowlist that skipped it."""
         skipped = any(r.entry_point == name and r.status.startswith("skipped") for r in self._load_records)
-        return UnknownAccelerationError(name, self._entries, distribution=BUILTIN_PLUGIN_DISTRIBUTIONS.get(name),
+        return UnknownAccelerationError(name, self._entries, distribution=bundled_distribution(name),
                                         skipped_by_allowlist=skipped)
 
     def __contains__(self, name: object) -> bool:
