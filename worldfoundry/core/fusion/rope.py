@@ -211,36 +211,45 @@ def reference_rope_qk(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.T
     return reference_rope(query, freqs_cos, freqs_sin), reference_rope(key, freqs_cos, freqs_sin)
 
 
-def sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, freqs_cos: torch.Tensor,
-                   freqs_sin: torch.Tensor, *, index_limit: int = INT32_MAX) -> tuple[torch.Tensor, ...]:
+def sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, freqs_cos: torch.Tensor,
+                   freqs_sin: torch.Tensor, *, index_limit: int = INT32_MAX) -> tuple[torch.Tensor | None, ...]:
     """SANA-Video linear attention's ``relu`` of Q/K, rotary of both and float32 casts, in one launch.
 
     Args:
-        query, key, value: ``[B, N, H, D]`` after the Q/K norms (any strides).
+        query, key: ``[B, N, H, D]`` after the Q/K norms (any strides).
+        value: ``[B, N, H, D]`` with the layout of ``torch.empty_like(query)`` (so that its float32 copy has the
+            layout eager's ``value.permute(...).float()`` has), or ``None`` to leave that cast to the caller.
         freqs_cos, freqs_sin: as :func:`rope_qk`.
+        index_limit: offsets above this use 64-bit arithmetic (tests lower it).
 
     Returns:
-        ``(relu(query), relu(key), rope(relu(query)).float(), rope(relu(key)).float(), value.float())``, each in
-        the ``[B, N, H, D]`` order and with the strides eager's tensors have before their permutes.
+        ``(relu(query), relu(key), rope(relu(query)).float(), rope(relu(key)).float(), value.float() or None)``,
+        each in the ``[B, N, H, D]`` order with the strides eager's tensors have before their permutes.
+
+    Raises:
+        ValueError: ``value``'s layout differs from the rotated outputs' layout.
     """
     rq, rk = torch.empty_like(query), torch.empty_like(key)
     qo, ko = torch.empty_like(rq), torch.empty_like(rk)
     qf = torch.empty_like(qo, dtype=torch.float32)
     kf = torch.empty_like(ko, dtype=torch.float32)
-    vf = torch.empty_like(value, dtype=torch.float32)
-    if vf.stride() != qf.stride():
-        raise ValueError("value and query layouts differ; use the reference")
+    vf = None
+    if value is not None:
+        vf = torch.empty_like(value, dtype=torch.float32)
+        if vf.stride() != qf.stride() or value.shape != query.shape:
+            raise ValueError("value and query layouts differ; cast value separately")
     _launch(query, key, freqs_cos, freqs_sin, qo, ko, relu_q=rq, relu_k=rk, qf=qf, kf=kf, v=value, vf=vf,
             index_limit=index_limit)
     return rq, rk, qf, kf, vf
 
 
-def reference_sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, freqs_cos: torch.Tensor,
-                             freqs_sin: torch.Tensor, *, index_limit: int = INT32_MAX) -> tuple[torch.Tensor, ...]:
+def reference_sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                             freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
+                             index_limit: int = INT32_MAX) -> tuple[torch.Tensor | None, ...]:
     """Torch reference of :func:`sana_relu_rope` (the processor's operations)."""
     rq, rk = torch.relu(query), torch.relu(key)
     qo, ko = reference_rope(rq, freqs_cos, freqs_sin), reference_rope(rk, freqs_cos, freqs_sin)
-    return rq, rk, qo.float(), ko.float(), value.float()
+    return rq, rk, qo.float(), ko.float(), (value.float() if value is not None else None)
 
 
 def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.dtype, *, eps: float = 1e-15,
