@@ -8,9 +8,10 @@ diffusers 0.42's processors apply, to ``hidden_states`` of shape ``[B, S, H, D]`
     out[..., 0::2] = x1 * freqs_cos[..., 0::2] - x2 * freqs_sin[..., 1::2]
     out[..., 1::2] = x1 * freqs_sin[..., 1::2] + x2 * freqs_cos[..., 0::2]
 
-The frequencies are float64 (float32 on MPS), so eager computes each product and the difference/sum in float64
-(each rounded: separate kernels, no contraction) and the copy into the bfloat16 ``out`` converts float64 to
-float32 to bfloat16 (c10's conversion goes through float). :func:`rope_qk` does exactly that, for Q and K in one
+Wan keeps the frequencies in float64 (float32 once a dtype policy keeps ``rope`` in float32; SANA-Video's are cast
+to the model dtype, bfloat16), so eager computes each product and the difference/sum in that promoted dtype (each
+rounded: separate kernels, no contraction) and the copy into the bfloat16 ``out`` converts float64 to float32 to
+bfloat16 (c10's conversion goes through float). :func:`rope_qk` does exactly that, for Q and K in one
 launch (eight eager kernels each, sixteen in all, become one).
 
 SANA-Video's linear self-attention additionally applies ``relu`` to Q and K first and then casts the rotated
@@ -43,15 +44,34 @@ ROWS_PER_PROGRAM: Final = 32
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _to_out(v, COMPUTE_F64: tl.constexpr):
-        """The compute-precision value as float32 (float64 -> float32 rounds to nearest, as c10 does)."""
-        if COMPUTE_F64:
-            return v.to(tl.float32)
-        return v
+    def _rotate_pair(a, b, c, s, COMPUTE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+        """``(a * c - b * s, a * s + b * c)`` in eager's precision, returned as float32.
+
+        COMPUTE 1 (float64 frequencies): float64 products and sums, then float64 -> float32 (round to nearest, as
+        c10 converts double to bfloat16 through float). 0 (float32): float32 throughout. 2 (bfloat16 frequencies
+        and inputs): every product and the sum rounded to bfloat16, as eager's bfloat16 kernels do.
+        """
+        if COMPUTE == 1:
+            a64 = a.to(tl.float64)
+            b64 = b.to(tl.float64)
+            c64 = c.to(tl.float64)
+            s64 = s.to(tl.float64)
+            return (a64 * c64 - b64 * s64).to(tl.float32), (a64 * s64 + b64 * c64).to(tl.float32)
+        af = a.to(tl.float32)
+        bf = b.to(tl.float32)
+        cf = c.to(tl.float32)
+        sf = s.to(tl.float32)
+        if COMPUTE == 2:
+            even = round_bf16(round_bf16(af * cf, SOFTWARE_ROUNDING) - round_bf16(bf * sf, SOFTWARE_ROUNDING),
+                              SOFTWARE_ROUNDING)
+            odd = round_bf16(round_bf16(af * sf, SOFTWARE_ROUNDING) + round_bf16(bf * cf, SOFTWARE_ROUNDING),
+                             SOFTWARE_ROUNDING)
+            return even, odd
+        return af * cf - bf * sf, af * sf + bf * cf
 
     @triton.jit
     def _rotate(x_ptr, o_ptr, bb, sb, hb, pb, mask, c, s, x_b, x_s, x_h, x_d, o_b, o_s, o_h, o_d,
-                COMPUTE_F64: tl.constexpr, RELU: tl.constexpr, r_ptr, r_b, r_s, r_h, r_d, WRITE_RELU: tl.constexpr,
+                COMPUTE: tl.constexpr, RELU: tl.constexpr, r_ptr, r_b, r_s, r_h, r_d, WRITE_RELU: tl.constexpr,
                 f_ptr, WRITE_F32: tl.constexpr, OUT_BF16: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
         base = x_ptr + bb * x_b + sb * x_s + hb * x_h
         x1 = tl.load(base + (2 * pb) * x_d, mask=mask, other=0.0)
@@ -66,14 +86,7 @@ if TRITON_AVAILABLE:
                 rb = r_ptr + bb * r_b + sb * r_s + hb * r_h
                 tl.store(rb + (2 * pb) * r_d, x1, mask=mask)
                 tl.store(rb + (2 * pb + 1) * r_d, x2, mask=mask)
-        if COMPUTE_F64:
-            a = x1.to(tl.float64)
-            b = x2.to(tl.float64)
-        else:
-            a = x1.to(tl.float32)
-            b = x2.to(tl.float32)
-        even = _to_out(a * c - b * s, COMPUTE_F64)
-        odd = _to_out(a * s + b * c, COMPUTE_F64)
+        even, odd = _rotate_pair(x1, x2, c, s, COMPUTE, SOFTWARE_ROUNDING)
         ob = o_ptr + bb * o_b + sb * o_s + hb * o_h
         store_rounded(ob + (2 * pb) * o_d, even, mask, OUT_BF16, SOFTWARE_ROUNDING)
         store_rounded(ob + (2 * pb + 1) * o_d, odd, mask, OUT_BF16, SOFTWARE_ROUNDING)
@@ -90,7 +103,7 @@ if TRITON_AVAILABLE:
                      v_ptr, vf_ptr, R, S, H, P,
                      q_b, q_s, q_h, q_d, k_b, k_s, k_h, k_d, qo_b, qo_s, qo_h, qo_d, ko_b, ko_s, ko_h, ko_d,
                      qr_b, qr_s, qr_h, qr_d, kr_b, kr_s, kr_h, kr_d, v_b, v_s, v_h, v_d,
-                     f_b, f_s, f_d, COMPUTE_F64: tl.constexpr, RELU: tl.constexpr, WRITE_F32: tl.constexpr,
+                     f_b, f_s, f_d, COMPUTE: tl.constexpr, RELU: tl.constexpr, WRITE_F32: tl.constexpr,
                      WITH_V: tl.constexpr, OUT_BF16: tl.constexpr, INDEX_64: tl.constexpr,
                      SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -111,10 +124,10 @@ if TRITON_AVAILABLE:
         c = tl.load(cos_ptr + fbase + (2 * pb) * f_d, mask=mask, other=0.0)
         sn = tl.load(sin_ptr + fbase + (2 * pb + 1) * f_d, mask=mask, other=0.0)
         _rotate(q_ptr, qo_ptr, bb, sb, hb, pb, mask, c, sn, q_b, q_s, q_h, q_d, qo_b, qo_s, qo_h, qo_d,
-                COMPUTE_F64, RELU, qr_ptr, qr_b, qr_s, qr_h, qr_d, RELU, qf_ptr, WRITE_F32, OUT_BF16,
+                COMPUTE, RELU, qr_ptr, qr_b, qr_s, qr_h, qr_d, RELU, qf_ptr, WRITE_F32, OUT_BF16,
                 SOFTWARE_ROUNDING)
         _rotate(k_ptr, ko_ptr, bb, sb, hb, pb, mask, c, sn, k_b, k_s, k_h, k_d, ko_b, ko_s, ko_h, ko_d,
-                COMPUTE_F64, RELU, kr_ptr, kr_b, kr_s, kr_h, kr_d, RELU, kf_ptr, WRITE_F32, OUT_BF16,
+                COMPUTE, RELU, kr_ptr, kr_b, kr_s, kr_h, kr_d, RELU, kf_ptr, WRITE_F32, OUT_BF16,
                 SOFTWARE_ROUNDING)
         if WITH_V:  # value.float(), stored with the layout of the rotated outputs
             vb = v_ptr + bb * v_b + sb * v_s + hb * v_h
@@ -126,7 +139,8 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _normalize_kernel(h_ptr, t_ptr, o_ptr, N, R, eps, INDEX_64: tl.constexpr, OUT_BF16: tl.constexpr,
-                          SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                          DENOM_BF16: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         group = tl.program_id(2)  # one (b, h): D rows of N, one denominator row of N
@@ -137,8 +151,13 @@ if TRITON_AVAILABLE:
         mask = (rows < R)[:, None] & (cols < N)[None, :]
         offs = group * R * N + rows[:, None] * N + cols[None, :]
         hs = tl.load(h_ptr + offs, mask=mask, other=0.0)
-        z = tl.load(t_ptr + group * N + cols, mask=cols < N, other=1.0)
-        z = tl.div_rn(tl.full(z.shape, 1.0, tl.float32), z + eps)
+        z = tl.load(t_ptr + group * N + cols, mask=cols < N, other=1.0).to(tl.float32)
+        z = z + eps
+        if DENOM_BF16:  # eager's bfloat16 denominator: the add and the reciprocal are each rounded to bfloat16
+            z = round_bf16(z, SOFTWARE_ROUNDING)
+        z = tl.div_rn(tl.full(z.shape, 1.0, tl.float32), z)
+        if DENOM_BF16:
+            z = round_bf16(z, SOFTWARE_ROUNDING)
         store_rounded(o_ptr + offs, hs * z[None, :], mask, OUT_BF16, SOFTWARE_ROUNDING)
 
 
@@ -146,11 +165,17 @@ def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True))  # type: ignore[return-value]
 
 
-def _compute_f64(x: torch.Tensor, freqs: torch.Tensor) -> bool:
+def compute_mode(x: torch.Tensor, freqs: torch.Tensor) -> int:
+    """The kernel's ``COMPUTE`` for eager's promoted dtype of ``x * freqs`` (float32 0, float64 1, bfloat16 2).
+
+    Raises:
+        ValueError: another promoted dtype (float16), which the kernel does not reproduce.
+    """
     dtype = torch.promote_types(x.dtype, freqs.dtype)
-    if dtype not in (torch.float64, torch.float32):
-        raise ValueError(f"rotary compute dtype {dtype} is not float32/float64")
-    return dtype == torch.float64
+    modes = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+    if dtype not in modes:
+        raise ValueError(f"rotary compute dtype {dtype} is not float32/float64/bfloat16")
+    return modes[dtype]
 
 
 def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
@@ -172,7 +197,7 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
         *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),
         *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
         *(v.stride() if v is not None else zero4), f_b, f_s, f_d,
-        COMPUTE_F64=_compute_f64(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
+        COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
         OUT_BF16=qo.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
         BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
 
@@ -258,7 +283,8 @@ def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.d
 
     Args:
         hidden: ``[B, H, D, N]`` contiguous float32 (``scores @ query_rotate``).
-        denom: ``[B, H, 1, N]`` contiguous float32 (``key_sum^T @ query``).
+        denom: ``[B, H, 1, N]`` contiguous (``key_sum^T @ query``; bfloat16 when Q/K are bfloat16: then the add
+            of ``eps`` and the reciprocal are rounded to bfloat16 as eager's kernels round them).
         out_dtype: bfloat16 or float32.
         eps: the processor's ``1e-15`` (added in float32).
 
@@ -272,8 +298,11 @@ def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.d
     block_r = 1 << (block_r.bit_length() - 1)
     wide = needs_int64(hidden, denom, out, extra=hidden.numel(), limit=index_limit)
     grid = (triton.cdiv(d, block_r), triton.cdiv(n, block_n), bsz * h)
+    if denom.dtype not in (torch.bfloat16, torch.float32) or hidden.dtype != torch.float32:
+        raise ValueError(f"sana_normalize needs a float32 hidden and a bfloat16/float32 denominator, got "
+                         f"{hidden.dtype} / {denom.dtype}")
     _normalize_kernel[grid](hidden, denom, out, n, d, eps, INDEX_64=wide, OUT_BF16=out_dtype == torch.bfloat16,
-                            SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r, BLOCK_N=block_n,
+                            DENOM_BF16=denom.dtype == torch.bfloat16, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r, BLOCK_N=block_n,
                             **launch_options())
     return out
 

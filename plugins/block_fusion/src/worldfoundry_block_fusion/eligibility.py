@@ -18,7 +18,7 @@ REASON_LAYOUT: Final = "hidden_states is not a contiguous [B, S, C] tensor"
 REASON_TOKENS: Final = "fewer tokens than min_tokens"
 REASON_TEMB: Final = "timestep embedding layout not [B, 6, C] / [B, T, 6, C] with T in (1, S)"
 REASON_TABLE: Final = "scale_shift_table is not a floating [.., 6, C] tensor"
-REASON_ROTARY: Final = "rotary embedding is not a (cos, sin) pair of [1|B, S, 1, D] float32/float64 tensors"
+REASON_ROTARY: Final = "rotary embedding is not a (cos, sin) pair of [1|B, S, 1, D] float tensors"
 
 
 def stream_reason(x: torch.Tensor, min_tokens: int, *, contiguous: bool = True) -> str | None:
@@ -66,7 +66,7 @@ def rotary_reason(query: torch.Tensor, rotary_emb: Any) -> str | None:
         return REASON_ROTARY
     b, s, _, d = query.shape
     if (cos.dim() != 4 or cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dtype != sin.dtype
-            or cos.dtype not in (torch.float32, torch.float64) or cos.shape[0] not in (1, b) or cos.shape[1] != s
+            or cos.dtype not in (torch.float32, torch.float64, torch.bfloat16) or cos.shape[0] not in (1, b) or cos.shape[1] != s
             or cos.shape[2] != 1 or cos.shape[3] != d or d % 2 or cos.device != query.device):
         return REASON_ROTARY
     if query.dtype not in SUPPORTED_DTYPES:

@@ -179,8 +179,9 @@ class SanaFusedLinearAttnProcessor:
         denom = key.sum(dim=-1, keepdim=True).transpose(-2, -1) @ query
         scores = torch.matmul(value, key_rotate.transpose(-1, -2))
         hidden_states = torch.matmul(scores, query_rotate)
-        if hidden_states.is_contiguous() and denom.is_contiguous() and original_dtype in (torch.bfloat16,
-                                                                                          torch.float32):
+        if (hidden_states.is_contiguous() and denom.is_contiguous() and hidden_states.dtype == torch.float32
+                and denom.dtype in (torch.bfloat16, torch.float32) and original_dtype in (torch.bfloat16,
+                                                                                         torch.float32)):
             hidden_states = sana_normalize(hidden_states, denom, original_dtype)
             hidden_states = hidden_states.flatten(1, 2).transpose(1, 2)
             self.runtime.counters.fused(self.path, "linear_attention")
