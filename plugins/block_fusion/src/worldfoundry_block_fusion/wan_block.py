@@ -32,6 +32,7 @@ from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_ad
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
+    REASON_TOKENS,
     FloatCarry,
     modulation_reason,
     rotary_reason,
@@ -84,6 +85,8 @@ class WanBlockRuntime:
         xf = self.carry.take(x, block) if carry else None
         if xf is None:
             xf = x.float()
+        else:
+            fused(path, "float_carry", rid)  # counted where a carried float32 stream replaces a .float() cast
         # 1. self-attention
         n = block.norm1(xf)
         if self.modulate:
@@ -129,7 +132,8 @@ class WanBlockRuntime:
             out, carried = gated_residual(x, y, full_table[0], temb, k, x_float=xf, with_float=carry)
             self.counters.fused(path, "gated_residual", rid)
             if carried is not None:
-                self.counters.fused(path, "float_carry", rid)
+                if k != 5:  # the FFN gate's float32 output is counted when the next block uses it
+                    self.counters.fused(path, "float_carry", rid)
                 return out, carried
             return out, (out if out.dtype == torch.float32 else None)  # a float32 stream is its own float value
         if mods is None:
@@ -199,6 +203,8 @@ class WanFusedSelfAttnProcessor:
             reason = unavailable_reason(query) or rotary_reason(query, rotary_emb)
             if reason is None and key.shape != query.shape:
                 reason = "key and query shapes differ"
+            if reason is None and query.shape[1] < runtime.min_tokens:
+                reason = REASON_TOKENS
         if reason is None:
             runtime.counters.fused(self.path, "rope")
             return rope_qk(query, key, *rotary_emb)
