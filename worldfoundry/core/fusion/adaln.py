@@ -12,7 +12,8 @@ timestep projection ``emb`` (``[B, T, 6, C]`` view, ``T`` = 1 or ``S``): the eag
   rounding to the output dtype at the end -- ``(norm * (1 + scale) + shift).type_as(x)`` and
   ``(x.float() + y * gate).type_as(x)``;
 * ``"per_op"`` (SANA-Video): all operands share one dtype and eager rounds to it after *every* operation
-  (``bf16 + bf16 -> bf16``): the modulation add, ``1 + scale``, the product and the sum are each rounded.
+  (``bf16 + bf16 -> bf16``): the modulation add, ``1 + scale``, the product and the sum are each rounded (to
+  bfloat16; for a float32 model every float32 operation rounds to float32 by itself).
 
 Functions (kernel / reference with the same signature):
 
@@ -148,7 +149,7 @@ def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor 
     grid = (triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
     _adaln_kernel[grid](
         out, out32, a, a if b is None else b, table, emb, rows, s, c, y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c,
-        MODE=mode, K0=k0, K1=k1, PER_OP=precision == "per_op", OUT_BF16=out_dtype == torch.bfloat16,
+        MODE=mode, K0=k0, K1=k1, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
         WRITE_F32=with_float, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r,
         BLOCK_C=block_c, **launch_options())
     return out, (out32 if with_float else None)
