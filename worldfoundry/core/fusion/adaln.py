@@ -57,7 +57,7 @@ ELEMENTS_PER_PROGRAM: Final = 4096
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _mod_term(tbl_ptr, emb_ptr, b, s, c, mask, K: tl.constexpr, t_k, t_c, e_b, e_s, e_k, e_c,
+    def _mod_term(tbl_ptr, emb_ptr, b, s, c, mask, K, t_k, t_c, e_b, e_s, e_k, e_c,
                   PER_OP: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
         t = tl.load(tbl_ptr + K * t_k + c * t_c, mask=mask, other=0.0).to(tl.float32)
         e = tl.load(emb_ptr + b * e_b + s * e_s + K * e_k + c * e_c, mask=mask, other=0.0).to(tl.float32)
@@ -66,10 +66,11 @@ if TRITON_AVAILABLE:
             m = round_bf16(m, SOFTWARE_ROUNDING)
         return m
 
-    @triton.jit
+    # the table rows are runtime values (one compiled variant serves every row: fewer compilations on first use)
+    @triton.jit(do_not_specialize=["K0", "K1"])
     def _adaln_kernel(out_ptr, out32_ptr, a_ptr, b_ptr, tbl_ptr, emb_ptr, R, S, C,
-                      y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c,
-                      MODE: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, PER_OP: tl.constexpr,
+                      y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c, K0, K1,
+                      MODE: tl.constexpr, PER_OP: tl.constexpr,
                       OUT_BF16: tl.constexpr, WRITE_F32: tl.constexpr, INDEX_64: tl.constexpr,
                       SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -149,7 +150,7 @@ def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor 
     grid = (triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
     _adaln_kernel[grid](
         out, out32, a, a if b is None else b, table, emb, rows, s, c, y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c,
-        MODE=mode, K0=k0, K1=k1, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+        k0, k1, MODE=mode, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
         WRITE_F32=with_float, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r,
         BLOCK_C=block_c, **launch_options())
     return out, (out32 if with_float else None)

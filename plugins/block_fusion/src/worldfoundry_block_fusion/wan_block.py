@@ -119,7 +119,8 @@ class WanBlockRuntime:
             h = (n * (1 + mods[4]) + mods[3]).type_as(x)
         ff = block.ffn(h)
         consumer = self._next[id(block)] if carry else None
-        x, xf = self._gate(x, xf, ff, block.scale_shift_table, temb, 5, mods, consumer is not None, path, rid)
+        # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
+        x, xf = self._gate(x, xf, ff, block.scale_shift_table, temb, 5, mods, carry, path, rid)
         if consumer is not None and xf is not None:
             self.carry.put(x, xf, block, consumer)
         return x
