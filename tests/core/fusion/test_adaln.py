@@ -127,3 +127,14 @@ def test_gated_residual_equals_eager_for_any_shape(b: int, s: int, c: int, k: in
     x, y, table, temb, _ = _wan_inputs(b, s, c, seed=seed)
     gate = _wan_eager_mods(table, temb)[k]
     assert torch.equal(adaln.gated_residual(x, y, table[0], temb, k)[0], (x.float() + y * gate).type_as(x))
+
+
+def test_programs_with_one_sample_per_tile_load_the_modulation_once() -> None:
+    """S a multiple of the row block (the per-sample fast path) and not, with two samples: both bitwise."""
+    for s in (16, 13):
+        x, y, table, temb, norm = _wan_inputs(2, s, 512, seed=s)
+        mods = _wan_eager_mods(table, temb)
+        out, _ = adaln.modulate(norm, table[0], temb, 0, 1, out_dtype=BF16)
+        assert torch.equal(out, (norm * (1 + mods[1]) + mods[0]).type_as(x))
+        out, _ = adaln.gated_residual(x, y, table[0], temb, 5, index_limit=0)
+        assert torch.equal(out, (x.float() + y.float() * mods[5]).type_as(x))

@@ -70,7 +70,7 @@ if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["K0", "K1"])
     def _adaln_kernel(out_ptr, out32_ptr, a_ptr, b_ptr, tbl_ptr, emb_ptr, R, S, C,
                       y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c, K0, K1,
-                      MODE: tl.constexpr, PER_OP: tl.constexpr,
+                      MODE: tl.constexpr, PER_OP: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                       OUT_BF16: tl.constexpr, WRITE_F32: tl.constexpr, INDEX_64: tl.constexpr,
                       SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -86,13 +86,24 @@ if TRITON_AVAILABLE:
         bb = bs[:, None]
         sb = ss[:, None]
         cb = cols[None, :]
-        if MODE == 2:
-            v = a + tl.load(b_ptr + bb * y_b + sb * y_s + cb * y_c, mask=mask, other=0.0).to(tl.float32)
+        if ROW_UNIFORM:  # every row of the program is one sample's and the modulation is per sample: load it once
+            first = tl.program_id(0) * BLOCK_R
+            if INDEX_64:
+                first = first.to(tl.int64)
+            bb = first // S
+            sb = 0
+            cb = cols[None, :]
+            mod_mask = (cols < C)[None, :]
         else:
-            m0 = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mask, K0, t_k, t_c, e_b, e_s, e_k, e_c, PER_OP,
+            mod_mask = mask
+        if MODE == 2:
+            v = a + tl.load(b_ptr + bs[:, None] * y_b + ss[:, None] * y_s + cols[None, :] * y_c, mask=mask,
+                            other=0.0).to(tl.float32)
+        else:
+            m0 = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mod_mask, K0, t_k, t_c, e_b, e_s, e_k, e_c, PER_OP,
                            SOFTWARE_ROUNDING)
             if MODE == 0:
-                m1 = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mask, K1, t_k, t_c, e_b, e_s, e_k, e_c, PER_OP,
+                m1 = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mod_mask, K1, t_k, t_c, e_b, e_s, e_k, e_c, PER_OP,
                                SOFTWARE_ROUNDING)
                 f = 1.0 + m1
                 if PER_OP:
@@ -102,7 +113,8 @@ if TRITON_AVAILABLE:
                     p = round_bf16(p, SOFTWARE_ROUNDING)
                 v = p + m0
             else:
-                y = tl.load(b_ptr + bb * y_b + sb * y_s + cb * y_c, mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(b_ptr + bs[:, None] * y_b + ss[:, None] * y_s + cols[None, :] * y_c, mask=mask,
+                            other=0.0).to(tl.float32)
                 p = y * m0
                 if PER_OP:
                     p = round_bf16(p, SOFTWARE_ROUNDING)
@@ -150,7 +162,7 @@ def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor 
     grid = (triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
     _adaln_kernel[grid](
         out, out32, a, a if b is None else b, table, emb, rows, s, c, y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c,
-        k0, k1, MODE=mode, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+        k0, k1, MODE=mode, ROW_UNIFORM=e_s == 0 and s % block_r == 0, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
         WRITE_F32=with_float, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r,
         BLOCK_C=block_c, **launch_options())
     return out, (out32 if with_float else None)

@@ -35,6 +35,8 @@ def reachable_span(t: torch.Tensor) -> int:
     Returns:
         ``1 + sum((size_d - 1) * |stride_d|)``; ``0`` for an empty tensor.
     """
+    if t.is_contiguous():  # the common case, without a Python loop over dimensions
+        return t.numel()
     if t.numel() == 0:
         return 0
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))

@@ -130,7 +130,8 @@ class WanBlockRuntime:
               rid: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x.float() + y.float() * gate).type_as(x)`` and, when carried, its float32 value."""
         if self.gate and y.shape == x.shape:
-            out, carried = gated_residual(x, y, full_table[0], temb, k, x_float=xf, with_float=carry)
+            # reads x (bfloat16), not its float32 copy: the same values, half the bytes
+            out, carried = gated_residual(x, y, full_table[0], temb, k, with_float=carry)
             self.counters.fused(path, "gated_residual", rid)
             if carried is not None:
                 if k != 5:  # the FFN gate's float32 output is counted when the next block uses it
