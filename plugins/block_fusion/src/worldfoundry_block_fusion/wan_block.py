@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
+from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
@@ -175,10 +177,8 @@ class WanFusedSelfAttnProcessor:
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if encoder_hidden_states is not None or attn.add_k_proj is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        # looked up in diffusers' module at call time, as the stock processor resolves them (a patch there applies)
+        query, key, value = transformer_wan._get_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query)
         key = attn.norm_k(key)
         query = query.unflatten(2, (attn.heads, -1))
@@ -186,7 +186,7 @@ class WanFusedSelfAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = self._rotary(query, key, rotary_emb)
-        hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+        hidden_states = transformer_wan.dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                               is_causal=False, backend=self._attention_backend,
                                               parallel_config=self._parallel_config)
         hidden_states = hidden_states.flatten(2, 3)
@@ -200,8 +200,6 @@ class WanFusedSelfAttnProcessor:
         if torch.is_grad_enabled():
             reason = REASON_GRAD
         else:
-            from worldfoundry.core.fusion.triton_support import unavailable_reason
-
             reason = unavailable_reason(query) or rotary_reason(query, rotary_emb)
             if reason is None and key.shape != query.shape:
                 reason = "key and query shapes differ"
