@@ -186,9 +186,9 @@ class WanFusedSelfAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = self._rotary(query, key, rotary_emb)
-        hidden_states = transformer_wan.dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
-                                              is_causal=False, backend=self._attention_backend,
-                                              parallel_config=self._parallel_config)
+        hidden_states = transformer_wan.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
