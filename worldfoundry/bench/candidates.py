@@ -124,14 +124,14 @@ def _describe(annotation: Any) -> str:
 
 
 def validate_plugin_options(path: str, name: str, options: Mapping[str, Any], registry: AccelerationRegistry) -> None:
-    """Validate one plugin's options without a model, using the factory's ``options_class`` when it has one.
+    """Validate one plugin's options without a model, using its registered options class when it has one.
 
-    Plugins opt in by setting ``prepare.options_class = Options`` (a dataclass with ``from_mapping``)."""
+    Plugins publish it with ``register(name, prepare, options=Options)`` (``RegisteredAcceleration.options``)."""
     try:
         entry = registry.get(name)
     except UnknownAccelerationError as exc:
         raise CandidateSchemaError(path, f"unknown acceleration {name!r}; known: {', '.join(exc.known) or 'none'}") from exc
-    options_class = getattr(entry.factory, "options_class", None)
+    options_class = entry.options
     if options_class is None:
         return
     from_mapping = getattr(options_class, "from_mapping", None)

@@ -9,12 +9,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from worldfoundry.core.acceleration.context import current_request_id
-from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.offload.block_offload import BlockOffloadEngine, ForwardOutcome
 from worldfoundry.core.offload.receipts import OffloadRequestReceipt
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, current_request_id
 from worldfoundry_resident_blocks.options import NAME
 
 logger = logging.getLogger(__name__)
