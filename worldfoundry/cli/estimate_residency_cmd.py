@@ -12,6 +12,7 @@ writes ``save_results/resident_blocks_config.json`` (pass it as
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from datetime import datetime, timezone
@@ -81,12 +82,14 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         parse_device,
         parse_dtype,
     )
+    from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
     from worldfoundry.core.offload.block_probe import (
         build_probe_block,
         build_probe_inputs,
         resolve_dit_source,
     )
-    from worldfoundry.core.offload.estimator import estimate_residency, write_estimate
+    from worldfoundry.core.offload.estimator import estimate_residency
+    from worldfoundry_resident_blocks.residency_files import write_estimate
     from worldfoundry.core.offload.host_storage import HostBlockStorage
     from worldfoundry.core.offload.layout import BlockLayout
     from worldfoundry.core.offload.measure import (
@@ -106,8 +109,9 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise ValueError("--frames, --height and --width are required (the recipe has no defaults for them)")
     source = resolve_dit_source(args.recipe, args.checkpoint_dir)
     random_weights = args.random_weights or (offline and args.checkpoint_dir is None)
-    probe = build_probe_block(source, device=device, dtype=dtype, random_weights=random_weights,
-                              index=args.block_index, seed=args.seed)
+    probe = build_probe_block(source, family_of=functools.partial(family_of, plugin="estimate-residency"),
+                              device=device, dtype=dtype, random_weights=random_weights, index=args.block_index,
+                              seed=args.seed)
     inputs = build_probe_inputs(probe, frames=frames, height=height, width=width, device=device, dtype=dtype,
                                 sequence_length=args.sequence_length, seed=args.seed)
     compute = time_block_compute(probe.block, inputs.make, device=device, warmup=args.warmup, samples=args.samples)

@@ -360,7 +360,7 @@ class PluginOptions:
 
         Args:
             options: the plugin's spec value.
-            path: the JSON path of ``options`` for error messages (e.g. ``candidates[2].accelerations.easycache``).
+            path: the JSON path of ``options`` for error messages (e.g. ``candidates[2].accelerations.my_kernel``).
 
         Returns:
             The validated, frozen options.

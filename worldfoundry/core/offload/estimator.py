@@ -29,18 +29,10 @@ N / 3: no run of three streamed blocks). The report gives both next to r, so a u
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
-
-#: File names the estimator writes into its output directory.
-CONFIG_FILENAME: Final = "resident_blocks_config.json"
-REPORT_JSON_FILENAME: Final = "resident_blocks_report.json"
-REPORT_MD_FILENAME: Final = "resident_blocks_report.md"
 
 RE_ESTIMATE_NOTE: Final = (
     "re-estimate when the device, the weights, the input shape (frames/height/width), the dtype, the layout "
@@ -202,15 +194,6 @@ class ResidencyEstimate:
         """(N − r) · d: copy time per forward."""
         return self.streamed * self.transfer_ms
 
-    def to_config(self) -> dict[str, Any]:
-        """The inference config (``{"resident_blocks": {"config": <path>}}`` reads it)."""
-        return {
-            "offload_resident_blocks": self.resident,
-            "cpu_offload_block_contiguous": self.contiguous,
-            "resident_block_indices": list(self.indices),
-            "num_blocks": self.num_blocks,
-        }
-
     def to_report(self) -> dict[str, Any]:
         n, c, d = self.num_blocks, self.compute_ms, self.transfer_ms
         return {
@@ -248,45 +231,3 @@ def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *
         context=dict(context or {}),
         copy_utilisation=float(copy_utilisation),
     )
-
-
-def _markdown(report: Mapping[str, Any]) -> str:
-    lines = [
-        "# resident_blocks residency estimate",
-        "",
-        f"r = **{report['resident']}** of N = {report['num_blocks']} blocks resident "
-        f"(indices {report['resident_block_indices']}); {report['streamed']} streamed through two slots.",
-        "",
-        "| quantity | value |",
-        "|---|---|",
-    ]
-    keys = ("recipe", "device", "device_name", "dtype", "layout", "weights", "block_path", "block_bytes",
-            "tokens", "input_shapes", "compute_ms", "transfer_ms", "transfer_gb_per_s", "warmup", "samples",
-            "copy_utilisation", "copy_need_ms_per_forward", "copy_budget_ms_per_forward",
-            "two_slot_predicted_copy_wait_ms_per_forward", "two_slot_resident_without_waits", "emulated", "torch",
-            "diffusers")
-    for key in keys:
-        if key in report:
-            lines.append(f"| {key} | {report[key]} |")
-    lines += ["", f"Rule: {report['rule']}.", "", f"Note: {report['note']}.", ""]
-    return "\n".join(lines)
-
-
-def write_estimate(estimate: ResidencyEstimate, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write the config JSON and the report (JSON and Markdown) into ``out_dir`` (created if needed).
-
-    Returns:
-        ``{"config": path, "report_json": path, "report_md": path}``.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "config": out / CONFIG_FILENAME,
-        "report_json": out / REPORT_JSON_FILENAME,
-        "report_md": out / REPORT_MD_FILENAME,
-    }
-    report = estimate.to_report()
-    paths["config"].write_text(json.dumps(estimate.to_config(), indent=2) + "\n")
-    paths["report_json"].write_text(json.dumps(report, indent=2) + "\n")
-    paths["report_md"].write_text(_markdown(report))
-    return paths

@@ -161,7 +161,7 @@ def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Mo
     Returns:
         The :class:`ResidentBlocksHandle`.
     """
-    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device)
+    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device, owner=NAME)
     handle = ResidentBlocksHandle(engine, ExecutionLedger(NAME))
     with PatchRecorder(NAME) as recorder:
         # Registered first so it is undone last: weights return after the wrappers and hooks are gone.
