@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from worldfoundry.bench.microbench import Region
+
 WORKLOADS = {"W17": (17, 320, 576), "W81": (81, 480, 832)}
 SMOKE_WORKLOADS = {"S5": (5, 32, 32), "S9": (9, 32, 48)}
 WAN_RECIPE, WAN_SMOKE_RECIPE = "wan2.1-t2v-1.3b", "tiny-wan2.1"
@@ -72,18 +74,9 @@ class Timer:
 
     @contextlib.contextmanager
     def measure(self, sink: list[float]) -> Iterator[None]:
-        self.sync()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with Region(self.device) as region:
             yield
-            end.record()
-            end.synchronize()
-            sink.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            sink.append((time.perf_counter() - t0) * 1000.0)
+        sink.append(region.device_ms)
 
 
 def count_host_syncs(device: torch.device, fn: Callable[[], Any]) -> int | None:
