@@ -4,7 +4,7 @@ For this project's tests and for third-party plugin authors alike::
 
     from worldfoundry import testing
 
-    model = testing.tiny_wan()
+    model = testing.guarded(testing.tiny_wan())     # the loader's request guard, as in a pipeline
     before = testing.fingerprint(model)
     session = install_diffusion_accelerations(model, {"my_kernel": {}})
     ...
@@ -34,6 +34,8 @@ from typing import Any, Final
 
 import torch
 import torch.nn as nn
+
+from worldfoundry.core.acceleration.guard import attach_request_guard
 
 #: A 2-block, 2-head (× 32) Wan 2.1 transformer.
 WAN_TINY: Final[Mapping[str, Any]] = dict(
@@ -271,10 +273,28 @@ def assert_same_model(before: ModelFingerprint, after: ModelFingerprint) -> None
 def assert_restored(model: nn.Module, before: ModelFingerprint) -> None:
     """``model`` is exactly what ``before`` recorded (the same forward is run again when one was recorded).
 
+    Fingerprint a model after :func:`guarded` (the request guard the loader attaches stays by design).
+
     Raises:
         AssertionError: naming the first difference.
     """
     assert_same_model(before, fingerprint(model, forward=before.forward if before.output is not None else None))
+
+
+def guarded(model: nn.Module | Mapping[str, nn.Module]) -> nn.Module | Mapping[str, nn.Module]:
+    """Attach the request guard the loader gives every DiT (one guard for all experts of a mapping).
+
+    The installer attaches one to a model that has none, and it stays after uninstall (it belongs to the
+    model, not to a session): guard a model before taking its :func:`fingerprint`.
+
+    Returns:
+        ``model``.
+    """
+    models = list(model.values()) if isinstance(model, Mapping) else [model]
+    guard = attach_request_guard(models[0])
+    for other in models[1:]:
+        attach_request_guard(other, guard)
+    return model
 
 
 __all__ = [
@@ -286,6 +306,7 @@ __all__ = [
     "assert_same_model",
     "default_forward",
     "fingerprint",
+    "guarded",
     "minimax_h3_inputs",
     "run_model",
     "sana_video_inputs",

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worldfoundry import testing
-from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
@@ -83,8 +82,7 @@ def test_huge_values_are_typed_errors(name: str, huge: Any) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_random_specs_leave_the_model_unchanged(name: str) -> None:
-    model = testing.tiny_wan(num_layers=1)
-    attach_request_guard(model)  # the loader's guard stays by design; everything else must be restored
+    model = testing.guarded(testing.tiny_wan(num_layers=1))  # the loader's guard stays by design
     before = testing.fingerprint(model, forward=False)
     policy = RuntimePolicy()
 
