@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.timing import Region, sync, time_calls, time_ms, timing_events
+from worldfoundry.core.timing import Region, count_host_syncs, sync, time_calls, time_ms, timing_events
 
 #: Wan2.1-T2V-1.3B transformer config (the W17/W81 architecture) and a tiny variant for CPU smoke runs.
 WAN_1_3B: Final[dict[str, Any]] = dict(
@@ -53,6 +53,23 @@ def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, ro
     return out
 
 
+def bf16_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A seeded ``WanTransformer3DModel`` built on ``device`` in bfloat16, except the tensors diffusers keeps in
+    float32 when loading with ``torch_dtype=bfloat16`` (``_keep_in_fp32_modules``); eval mode."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device (fast for 1.3B parameters)
+        model = WanTransformer3DModel(**config)
+    keep = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point():
+                fp32 = any(k in name.split(".") for k in keep)
+                tensor.data = tensor.data.to(torch.float32 if fp32 else torch.bfloat16)
+    return model.eval()
+
+
 def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
     """``||test - ref|| / ||ref||`` in float64."""
     t, r = test.double(), ref.double()
@@ -85,6 +102,8 @@ __all__ = [
     "WAN_TINY",
     "WORKLOADS",
     "Region",
+    "bf16_wan",
+    "count_host_syncs",
     "interleaved",
     "provenance",
     "rel_l2",

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -99,4 +100,19 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return time_calls(fn, device, iters).device_ms / iters
 
 
-__all__ = ["Region", "sync", "time_calls", "time_ms", "timing_events"]
+def count_host_syncs(device: torch.device, fn: Callable[[], Any]) -> int | None:
+    """Synchronising CUDA calls made by ``fn`` (torch's sync debug mode warnings); ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+__all__ = ["Region", "count_host_syncs", "sync", "time_calls", "time_ms", "timing_events"]

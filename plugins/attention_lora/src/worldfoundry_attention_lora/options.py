@@ -10,16 +10,8 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_forma
     QKV_LAYOUTS,
     QKV_PER_HEAD_INTERLEAVED,
 )
-from worldfoundry.plugin import (
-    AccelerationOptionsError,
-    PluginOptions,
-    choice,
-    file_path,
-    integer,
-    number,
-    option,
-    optional,
-)
+from worldfoundry.plugin import AccelerationOptionsError, PluginOptions, choice, file_path, integer, number, option
+from worldfoundry.plugin import optional
 
 NAME: Final = "attention_lora"
 REQUIRED_KEYS: Final = ("path", "rank", "scale")
