@@ -13,7 +13,7 @@ account for free device memory (slots, non-block weights and activations also li
 ``copy_utilisation`` u (default 1, the rule above) scales the budget to ``(N − r) · d ≤ u · N · c``. At u = 1 the
 copy stream is busy almost the whole forward; a two-slot pipeline cannot keep it that busy without the compute
 waiting now and then, and host-to-device DMA running next to the compute slows some kernels. What each u gave
-on real hardware is recorded in ``docs/performance.md`` (resident_blocks), not here.
+on real hardware is recorded in ``docs/performance.md``, not here.
 
 The r resident blocks are spread evenly (:func:`uniform_resident_indices`) so the copy stream gets regular
 windows in which a resident block computes without needing a copy.

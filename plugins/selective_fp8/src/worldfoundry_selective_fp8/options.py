@@ -20,7 +20,7 @@ def _patterns(value: Any, path: str) -> tuple[str, ...]:
         hint = f"; write [{shown_value(value)}]" if isinstance(value, str) else ""
         raise OptionValueError(path, f"expected a list of module-name patterns, got {shown_value(value)}{hint}")
     for item in value:
-        if not isinstance(item, str) or not item.strip() or len(item) > MAX_PATTERN_LENGTH or "\x00" in item:
+        if not isinstance(item, str) or not item.strip() or len(item) > MAX_PATTERN_LENGTH:
             raise OptionValueError(path, f"patterns must be non-empty strings, got {shown_value(item)}")
     return tuple(item.strip() for item in value)
 

@@ -16,7 +16,7 @@ fused kernel reads ``h`` once and writes only the FP8 rows and their scales:
 **The activation is not bitwise torch's GELU.** The kernel's GELU is within ``2**-8 * |gelu(x)| + 2**-20 * |x|``
 of the float64 formula (:func:`gelu_float64`) for every normal bfloat16 input -- the bound torch's own bfloat16
 GELU meets -- and equals torch's GELU for most, not all, elements (the differences sit where ``1 + tanh``
-cancels, for negative inputs; the measured fractions are in ``docs/performance.md``, selective_fp8). So the fused
+cancels, for negative inputs; the measured fractions are in ``docs/performance.md``). So the fused
 path rounds slightly differently from the per-Linear path
 (``F.gelu`` then the quantizer); both are FP8 approximations of the dense model. The quantization step itself is
 bitwise: the kernel's FP8 bytes and scales always equal ``quantize_rowwise_fp8`` of the kernel's own activation
