@@ -19,7 +19,7 @@ KNOWN_OPTION_KEYS: Final[frozenset[str]] = frozenset(
         "dit_weight_dtype",  # dtype for DiT weights (fp32 modules stay fp32)
         "text_encoder_dtype",  # dtype for text encoders
         "vae_dtype",  # dtype for the video codec
-        "vae_fp8_calibration",  # LightVAE FP8 encoder calibration artifact path
+        "vae_fp8_calibration",  # path of the video codec's FP8 encoder calibration artifact (read by the codec)
         "progress",  # bool: show tqdm progress bars
     }
 )
@@ -130,9 +130,9 @@ class RuntimePolicy:
 
     Example:
         >>> policy = RuntimePolicy(device="cpu", dtype="fp32",
-        ...                        options={"accelerations": {"easycache": {"threshold": 0.0}}})
+        ...                        options={"accelerations": {"my_kernel": {"scale": 0.5}}})
         >>> policy.accelerations
-        {'easycache': {'threshold': 0.0}}
+        {'my_kernel': {'scale': 0.5}}
     """
 
     device: Any = "cpu"

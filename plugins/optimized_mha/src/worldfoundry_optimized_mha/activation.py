@@ -19,11 +19,6 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     diffusers_attention_backend,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    ExecutionLedger,
-    PatchRecorder,
-    RecordedHandle,
-)
 from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
 from worldfoundry.core.attention.fused_projection import (
     ProjectionResult,
@@ -39,7 +34,7 @@ from worldfoundry.core.attention.packed_projection import (
 )
 from worldfoundry.core.attention.packed_storage import PackedLinearParameters
 from worldfoundry.core.attention.sdpa_backends import sdpa_backend_scope
-from worldfoundry.errors import AttentionBackendError
+from worldfoundry.plugin import AttentionBackendError, ExecutionLedger, PatchRecorder, RecordedHandle
 from worldfoundry_optimized_mha.options import PLUGIN_NAME
 from worldfoundry_optimized_mha.plan import (
     FUSED_BRANCH,
