@@ -37,7 +37,7 @@ def test_the_plugin_list_is_not_empty() -> None:
 @pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
 def test_core_names_no_plugin(path: Path) -> None:
     text = path.read_text()
-    found = sorted(name for name in _plugin_names() if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w])", text))
+    found = sorted(name for name in _plugin_names() if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w])", text))
     assert not found, f"{path.relative_to(ROOT)} names plugin(s) {found}; move that knowledge into the plugin"
 
 
