@@ -182,6 +182,15 @@ class ArtifactMismatchError(WorldFoundryError, ValueError):
     """An artifact (calibration, bundle, adapter) does not match the model or checkpoint it is used with."""
 
 
+class ArtifactFormatError(ArtifactMismatchError):
+    """An artifact file is malformed: ``.file`` and ``.field`` name where (e.g. ``linears['x'].tensors.qweight``)."""
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        self.file = file
+        self.field = field
+        super().__init__(f"{file}: {field}: {message}")
+
+
 class InvalidRequestError(WorldFoundryError, ValueError):
     """A generation request has invalid fields (frame count, size, steps, ...)."""
 
