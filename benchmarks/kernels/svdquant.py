@@ -181,9 +181,14 @@ def _group(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 64  # the CPU smoke model has 64 input features
 
 
+def _infer(model: nn.Module, inputs: dict[str, Any]) -> Any:
+    with torch.inference_mode():
+        return model(**inputs)
+
+
 def _install(model: nn.Module, artifact: Path, keep: str) -> Any:
     spec = {"svdquant": {"artifact": str(artifact), "keep_original": keep}}
-    return install_diffusion_accelerations(model, spec, RuntimePolicy(device=str(next(model.parameters()).device)))
+    return install_diffusion_accelerations(model, spec, RuntimePolicy(device=next(model.parameters()).device.type))
 
 
 def _proof(session: Any, model: nn.Module, inputs: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -224,9 +229,8 @@ def forward_bench(device: torch.device, args: argparse.Namespace, scratch: Path)
                              "latent_rel_l2_vs_dense": rel_l2(out, ref), "execution_proof": proof,
                              "memory_report": report["memory"],
                              "device_allocated_delta_on_install_bytes": alloc_after - alloc_before}
-    with torch.inference_mode():
-        calls = {"dense": lambda: dense(**inputs), "svdquant": lambda: model(**inputs)}
-        entry["timing"] = interleaved(calls, device, rounds=args.forward_rounds, warmup=1, iters=1, baseline="dense")
+    calls = {"dense": lambda: _infer(dense, inputs), "svdquant": lambda: _infer(model, inputs)}
+    entry["timing"] = interleaved(calls, device, rounds=args.forward_rounds, warmup=1, iters=1, baseline="dense")
     session.uninstall()
     with torch.inference_mode():
         after = model(**inputs)[0].float()
