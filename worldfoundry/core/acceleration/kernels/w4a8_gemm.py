@@ -64,6 +64,16 @@ if TRITON_AVAILABLE:
         return v
 
     @triton.jit
+    def _low_nibble(p):
+        """Signed low nibble of int8 ``p`` as int8 (explicit casts: shifts may promote to int32)."""
+        return ((p << 4).to(tl.int8) >> 4).to(tl.int8)
+
+    @triton.jit
+    def _high_nibble(p):
+        """Signed high nibble of int8 ``p`` as int8 (arithmetic shift)."""
+        return (p >> 4).to(tl.int8)
+
+    @triton.jit
     def _w4a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K,
                      GROUP: tl.constexpr, RANK: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -86,15 +96,15 @@ if TRITON_AVAILABLE:
                 p = tl.load(wq_ptr + w_rows[:, None] + (g * HALF + kh)[None, :], mask=nmask[:, None], other=0)
                 xa = tl.load(xq_ptr + x_rows[None, :] + (k0 + kh)[:, None], mask=mmask[None, :], other=0)
                 xb = tl.load(xq_ptr + x_rows[None, :] + (k0 + HALF + kh)[:, None], mask=mmask[None, :], other=0)
-                part = tl.dot((p << 4) >> 4, xa, out_dtype=tl.int32)
-                part = tl.dot(p >> 4, xb, part, out_dtype=tl.int32)
+                part = tl.dot(_low_nibble(p), xa, out_dtype=tl.int32)
+                part = tl.dot(_high_nibble(p), xb, part, out_dtype=tl.int32)
                 acc += part.to(tl.float32) * s[:, None]
             else:
                 p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
                 xa = tl.load(xq_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0)
                 xb = tl.load(xq_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None], other=0)
-                part = tl.dot(xa, (p << 4) >> 4, out_dtype=tl.int32)
-                part = tl.dot(xb, p >> 4, part, out_dtype=tl.int32)
+                part = tl.dot(xa, _low_nibble(p), out_dtype=tl.int32)
+                part = tl.dot(xb, _high_nibble(p), part, out_dtype=tl.int32)
                 acc += part.to(tl.float32) * s[None, :]
         xs = tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)
         r = tl.arange(0, RANK)
@@ -142,8 +152,8 @@ if TRITON_AVAILABLE:
             if HAS_SMOOTH:
                 xa = xa * tl.load(inv_ptr + k0 + kh)[None, :]
                 xb = xb * tl.load(inv_ptr + k0 + HALF + kh)[None, :]
-            lo = (((p << 4) >> 4).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-            hi = ((p >> 4).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            lo = (_low_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            hi = (_high_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             acc = tl.dot(_widen(xa.to(tl.bfloat16), WIDEN), _widen(lo, WIDEN), acc)
             acc = tl.dot(_widen(xb.to(tl.bfloat16), WIDEN), _widen(hi, WIDEN), acc)
         r = tl.arange(0, RANK)
