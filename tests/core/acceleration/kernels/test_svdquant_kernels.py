@@ -51,9 +51,10 @@ def test_int8_activation_kernel_is_bitwise_the_reference(shape, smooth):
     x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
     x[1] = 0.0  # an all-zero row: codes 0, floor scale
     inv = (torch.rand(shape[1], generator=g) + 0.5) if smooth else None
-    q, s = triton_quantize_rows_int8(x, inv)
     q_ref, s_ref = quantize_rows_int8(x, inv)
-    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    for single_pass in (False, True):
+        q, s = triton_quantize_rows_int8(x, inv, single_pass=single_pass)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     assert int(q.abs().max()) == 127
 
 
