@@ -51,3 +51,24 @@ def test_shipped_artifacts_bind_to_the_trained_tiny_model(name: str) -> None:
     with NativeDiffusionPipeline.from_pretrained("tiny-wan2.1-trained", policy=policy) as pipe:
         plan = prepare(pipe.components.denoiser.model, {"artifact": str(path)}, policy)
     assert len([c for c in plan.claims if not c.startswith("role:")]) == 12
+
+
+def test_calibrate_plugins_script_svdquant_writes_pt_and_summary(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    bench = project_root() / "benchmarks" / "inference"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("calibrate_plugins_svdquant_test", bench / "calibrate_plugins.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+        sys.modules.pop("calibrate_plugins_svdquant_test", None)
+    out = tmp_path / "svdquant.pt"
+    summary = module.main(["svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--include", "blocks.*.ffn.0",
+                           "blocks.*.ffn.2", "--rank", "8", "--frames", "5", "--steps", "1", "--out", str(out)])
+    assert summary["artifact"] == str(out) and (tmp_path / "svdquant.json").is_file()
+    assert load_svdquant_artifact(out).manifest["rank"] == 8
