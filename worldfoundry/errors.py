@@ -212,6 +212,13 @@ class CommandLineError(WorldFoundryError, ValueError):
     def __init__(self, flag: str, message: str) -> None:
         self.flag = flag
         super().__init__(f"{flag}: {message}")
+class ArtifactFormatError(ArtifactMismatchError):
+    """An artifact file is malformed: ``.file`` and ``.field`` name where (e.g. ``linears['x'].tensors.qweight``)."""
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        self.file = file
+        self.field = field
+        super().__init__(f"{file}: {field}: {message}")
 
 
 class InvalidRequestError(WorldFoundryError, ValueError):
