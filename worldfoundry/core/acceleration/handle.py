@@ -30,6 +30,10 @@ class RecordedHandle:
         finally:
             self.release()
 
+    def ownership_collisions(self, seen: set[tuple[int, str]]) -> list[str]:
+        """Changes made since activation on top of this handle's patches (see ``PatchRecorder.collisions``)."""
+        return self.patches.collisions(seen) if self.active else []
+
     def release(self) -> None:
         """Drop derived state (packed tensors, caches). Called once after the patches are undone."""
 
