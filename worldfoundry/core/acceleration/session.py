@@ -56,6 +56,8 @@ class AccelerationSession:
         #: what install changed that a plugin's undo left (a plugin bug); repaired slot by slot, never touching
         #: anything changed after install
         self.restore_differences: list[str] = []
+        #: parameters / buffers set by someone else after install in slots the session had changed: kept as is
+        self.kept_changes: list[str] = []
 
     @property
     def guard(self) -> RequestGuard:
@@ -139,23 +141,29 @@ class AccelerationSession:
         return {"installed": True, "execution_verified": False, "plugins": plugins}
 
     # ------------------------------------------------------------------ uninstall
-    def collisions(self) -> list[str]:
+    def collisions(self, kept: dict[tuple[int, str], str] | None = None) -> list[str]:
         """Changes made after install on top of what uninstall must undo (empty: uninstall is safe).
 
         Visited in undo order (companions, then plugins newest first), sharing one set of slots, so a slot two
         of this session's patches changed in turn is checked once, against the last of them.
+
+        Args:
+            kept: filled with the slots whose tensors were replaced since install (they stay as they are).
         """
         seen: set[tuple[int, str]] = set()
+        kept = {} if kept is None else kept
         found: list[str] = []
-        visits = [(name, "", handle) for name, handle in reversed(self._companions)]
-        visits += [(a.name, a.expert, a.handle) for a in reversed(self._active)]
-        for name, expert, handle in visits:
+        for name, expert, handle in self._undo_order():
             check = getattr(handle, "ownership_collisions", None)
             if check is None:
                 continue
             where = name if expert in ("", SINGLE_MODEL_LABEL) else f"{name} ({expert})"
-            found.extend(f"{where}: {text}" for text in check(seen))
+            found.extend(f"{where}: {text}" for text in check(seen, kept))
         return found
+
+    def _undo_order(self) -> list[tuple[str, str, Any]]:
+        visits = [(name, "", handle) for name, handle in reversed(self._companions)]
+        return visits + [(a.name, a.expert, a.handle) for a in reversed(self._active)]
 
     def uninstall(self) -> None:
         """Deactivate every acceleration in reverse activation order, undoing exactly what each changed.
@@ -172,9 +180,17 @@ class AccelerationSession:
         with self._guard.mutation("uninstall accelerations"):
             if not self.installed:  # another thread finished the uninstall first
                 return
-            collisions = self.collisions()
+            kept: dict[tuple[int, str], str] = {}
+            collisions = self.collisions(kept)
             if collisions:
                 raise OwnershipCollisionError(collisions)
+            for _, _, handle in self._undo_order():
+                keep = getattr(handle, "keep_slots", None)
+                if keep is not None:
+                    keep(frozenset(kept))
+            self.kept_changes = sorted(kept.values())
+            if kept:
+                logger.info("uninstall keeps %d value(s) set after install: %s", len(kept), self.kept_changes[:5])
             report = self.execution_report()
             report["installed"] = False
             errors = deactivate_all([ActiveAcceleration(n, "", None, h) for n, h in self._companions])  # type: ignore[arg-type]

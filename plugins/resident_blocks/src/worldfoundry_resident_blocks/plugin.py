@@ -19,6 +19,7 @@ import torch.nn as nn
 import worldfoundry
 from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
+    refuse_accelerate_hooks,
     refuse_common,
 )
 from worldfoundry.core.acceleration.prepared import (
@@ -93,6 +94,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     """
     opts = Options.from_mapping(options)
     refuse_common(model, NAME)
+    refuse_accelerate_hooks(model, NAME)
     family = family_of(model, plugin=NAME)
     blocks = family.blocks(model)
     if not blocks:

@@ -24,6 +24,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     wan_conditioning_positions,
 )
 from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import PatchRecorder, PreparedAcceleration
 from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
 from worldfoundry.core.acceleration.prepared import ROLE_OFFLOAD, ROLE_STATIC_KV_CACHE
@@ -129,6 +130,10 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup],
         for i, group in enumerate(groups):
             norm_path, norm = norms.get(i, (None, None))
             handle.add_group(recorder, group, norm, norm_path)
+        if opts.pack:  # the packed copy has one dtype; per-layer casting would split its sources
+            install_call_refusals(recorder, model, {
+                "enable_layerwise_casting": "it recasts the K/V weights wan_cross_kv_fusion packs into one copy",
+            }, plugin=PLUGIN_NAME)
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle
