@@ -25,6 +25,7 @@ from worldfoundry.core.acceleration.session import (
     ActiveAcceleration,
     deactivate_all,
 )
+from worldfoundry.core.acceleration.copy_refusal import COPY_REFUSAL, refuse_copies
 from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
 from worldfoundry.core.acceleration.spec import freeze_options, normalize_acceleration_spec
 from worldfoundry.core.model_loading.policy import RuntimePolicy
@@ -181,8 +182,10 @@ def _install_locked(targets: dict[str, nn.Module], normalized: dict[str, dict[st
     _check_conflicts(prepared)
     active = _activate_all(prepared, targets, snapshots)
     receipt = _build_receipt(targets, prepared, entries)
+    copies = refuse_copies(targets, receipt.names)
     installed = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
     session = AccelerationSession(targets, active, receipt, guard, snapshots, installed, attached)
+    session.add_companion(COPY_REFUSAL, copies)
     for module in targets.values():
         object.__setattr__(module, SESSION_ATTRIBUTE, session)
     guard.add_listener(session)

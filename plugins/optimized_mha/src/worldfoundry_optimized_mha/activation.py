@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.attention_sites import (
@@ -142,6 +143,9 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
                 key = f"{plan.site.path}:{group.name}"
                 pack = PackedLinearParameters.pack(group.modules())
                 recorder.callback(pack.unpack, f"unpack {key}")
+                for member in group.modules():
+                    recorder.hook(member._register_state_dict_hook(_own_storage_in_state_dict),
+                                  f"{PLUGIN_NAME} state_dict copies {key}")
                 packs[key] = pack
                 if plan.projection_path == FUSED_BRANCH:
                     projection = PackedProjection(plan.site.module, group.members, pack)
@@ -162,6 +166,22 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
         patches = recorder.pop_all()
     logger.debug("%s active on %d attention module(s): %s", PLUGIN_NAME, len(plans), path_summary(plans))
     return OptimizedMHAHandle(patches, ledger, plans, packs, projections, branches)
+
+
+def _own_storage_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                               local_metadata: Any) -> None:
+    """State-dict hook of a packed member: its detached weight/bias get storage of their own.
+
+    Packed Parameters view one shared storage; ``torch.save`` (``save_pretrained(safe_serialization=False)``)
+    keeps that sharing, so a file saved while installed would reload as views into a larger storage. Copies
+    make every serialisation write the canonical, separate tensors. ``keep_vars=True`` entries (the Parameters
+    themselves) are left as they are.
+    """
+    for name in ("weight", "bias"):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            state_dict[key] = value.clone(memory_format=torch.contiguous_format)
 
 
 def _wrap_group(recorder: PatchRecorder, group: ProjectionGroup, pack: PackedLinearParameters,
