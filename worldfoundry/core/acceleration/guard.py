@@ -39,7 +39,7 @@ class RequestGuard:
         self._mutating: str | None = None
         self._mutating_thread: int | None = None
         self._listeners: list[RequestListener] = []
-        self._modules: dict[int, tuple[Any, ...]] = {}  # id(module) -> its hook handles and _apply wrapper
+        self._modules: dict[int, tuple[Any, ...]] = {}  # id(module) -> its hook handles
         self._local = threading.local()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -210,9 +210,10 @@ class GuardedApply:
     """The instance ``_apply`` of a guarded model: refuses a move from another thread while the model runs
     (see :meth:`RequestGuard.check_move`), then runs the class's own ``_apply``. Picklable."""
 
-    def __init__(self, guard: RequestGuard, model: nn.Module) -> None:
+    def __init__(self, guard: RequestGuard, model: nn.Module, previous: Any) -> None:
         self.guard = guard
         self.model = model
+        self.previous = previous  # the instance ``_apply`` it replaced (``None``: none)
 
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self.guard.check_move()
@@ -240,11 +241,9 @@ def attach_request_guard(model: nn.Module, guard: RequestGuard | None = None) ->
         guard = guard or RequestGuard(type(model).__name__)
         pre = model.register_forward_pre_hook(guard._enter_forward)
         post = model.register_forward_hook(guard._exit_forward, always_call=True)
-        previous_apply = model.__dict__.get("_apply", _ABSENT)
-        apply = GuardedApply(guard, model)
-        object.__setattr__(model, "_apply", apply)
+        object.__setattr__(model, "_apply", GuardedApply(guard, model, model.__dict__.get("_apply")))
         object.__setattr__(model, GUARD_ATTRIBUTE, guard)
-        guard._modules[id(model)] = (pre, post, apply, previous_apply)  # the handles, for diagnostics
+        guard._modules[id(model)] = (pre, post)  # the hook handles (weak), for diagnostics
         return guard
 
 
@@ -264,8 +263,7 @@ def detach_request_guard(model: nn.Module) -> bool:
         with guard._lock:
             if guard._forwards or guard._requests:
                 raise ModelBusyError("detach the request guard", tuple(guard._requests), guard._forwards)
-            record = guard._modules.pop(id(model), None)
-        previous_apply = record[3] if record is not None else _ABSENT
+            guard._modules.pop(id(model), None)
         for hooks in (model._forward_pre_hooks, model._forward_hooks):
             for hook_id in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is guard]:
                 del hooks[hook_id]
@@ -274,15 +272,14 @@ def detach_request_guard(model: nn.Module) -> bool:
                 model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
         apply = model.__dict__.get("_apply")
         if isinstance(apply, GuardedApply) and apply.guard is guard:
-            if previous_apply is _ABSENT:
+            if apply.previous is None:
                 del model.__dict__["_apply"]
             else:
-                model.__dict__["_apply"] = previous_apply
+                model.__dict__["_apply"] = apply.previous
         del model.__dict__[GUARD_ATTRIBUTE]
         return True
 
 
-_ABSENT = object()
 _ATTACH_LOCK = threading.Lock()
 
 
