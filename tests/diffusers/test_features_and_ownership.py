@@ -21,6 +21,7 @@ PLUGINS = sorted(EXACT_SPECS)
 REFUSED_AFTER = {
     ("enable_layerwise_casting", "wan_cross_kv_fusion"), ("enable_layerwise_casting", "resident_blocks"),
     ("enable_group_offload", "resident_blocks"),
+    ("fuse_qkv_projections", "optimized_mha"), ("fuse_qkv_projections", "wan_cross_kv_fusion"),
 }
 #: features every plugin refuses at install (it cannot wrap what the feature's hooks already wrap) ...
 REFUSED_BEFORE_ALL = {"enable_cache", "enable_layerwise_casting", "enable_group_offload"}

@@ -19,6 +19,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     diffusers_attention_backend,
 )
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
     ExecutionLedger,
     PatchRecorder,
@@ -158,6 +159,7 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
                 recorder.setattr(plan.site.module, "fused_projections", True)
             if plan.settings.explicit_backend:
                 recorder.wrap_forward(plan.site.module, _backend_forward(plan, ledger), name=f"{PLUGIN_NAME}.sdpa")
+        _refuse_diffusers_fusion(recorder, model, plans)
         if branches:
             validation = ForwardValidation([b.projection for b in branches.values()])
             recorder.hook(model.register_forward_pre_hook(validation.pre_hook), f"{PLUGIN_NAME} validation pre-hook")
@@ -166,6 +168,21 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
         patches = recorder.pop_all()
     logger.debug("%s active on %d attention module(s): %s", PLUGIN_NAME, len(plans), path_summary(plans))
     return OptimizedMHAHandle(patches, ledger, plans, packs, projections, branches)
+
+
+#: Why diffusers' own projection fusion calls cannot run while the plugin is active.
+FUSION_REASON = ("optimized_mha already packs these projections; diffusers' fusion would be a no-op, and "
+                 "unfusing would delete the packed projection under the plugin")
+
+
+def _refuse_diffusers_fusion(recorder: PatchRecorder, model: nn.Module, plans: list[SitePlan]) -> None:
+    """diffusers' ``fuse_qkv_projections`` / ``unfuse_qkv_projections`` (and per attention) refuse at the call."""
+    calls = {"fuse_qkv_projections": FUSION_REASON, "unfuse_qkv_projections": FUSION_REASON}
+    install_call_refusals(recorder, model, calls, plugin=PLUGIN_NAME)
+    for plan in plans:
+        install_call_refusals(recorder, plan.site.module, {"fuse_projections": FUSION_REASON,
+                                                           "unfuse_projections": FUSION_REASON},
+                              plugin=PLUGIN_NAME, where=f"module {plan.site.path!r}")
 
 
 def _own_storage_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
