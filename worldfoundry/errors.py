@@ -141,7 +141,9 @@ class OwnershipCollisionError(WorldFoundryError, RuntimeError):
 
     def __init__(self, collisions: Sequence[str]) -> None:
         self.collisions = tuple(collisions)
-        listed = "; ".join(self.collisions[:10]) + (f"; ... ({len(self.collisions)} in all)" if len(self.collisions) > 10 else "")
+        listed = "; ".join(self.collisions[:10])
+        if len(self.collisions) > 10:
+            listed += f"; ... ({len(self.collisions)} in all)"
         super().__init__(
             f"uninstall refused, nothing was changed: {len(self.collisions)} change(s) made after install sit on "
             f"top of what uninstall must undo: {listed}. Undo those changes first (e.g. disable_cache(), "

@@ -84,7 +84,8 @@ def test_wan22_both_experts_share_one_guard_and_the_schedule_follows_the_boundar
     tp = wan22()
     vanilla = tp.run()
     high, low = tp.transformers()
-    accel = worldfoundry.accelerate(tp.pipe, {"easycache": {"threshold": 0.0}, "wan_cross_kv_fusion": {"min_tokens": 0}})
+    accel = worldfoundry.accelerate(tp.pipe, {"easycache": {"threshold": 0.0},
+                                              "wan_cross_kv_fusion": {"min_tokens": 0}})
     assert set(accel.models) == {"transformer", "transformer_2"}
     assert get_request_guard(high) is get_request_guard(low) is not None
     assert torch.equal(tp.run(), vanilla)
@@ -121,7 +122,8 @@ def test_request_ids_are_automatic_or_the_callers():
 def test_a_failed_call_ends_its_request_and_the_next_call_is_exact(error):
     tp = wan_t2v()
     vanilla = tp.run()
-    accel = worldfoundry.accelerate(tp.pipe, {"easycache": {"threshold": 0.0}, "wan_cross_kv_fusion": {"min_tokens": 0}})
+    accel = worldfoundry.accelerate(tp.pipe, {"easycache": {"threshold": 0.0},
+                                              "wan_cross_kv_fusion": {"min_tokens": 0}})
     guard = accel.session.guard
 
     def fail(pipe, i, t, kwargs):

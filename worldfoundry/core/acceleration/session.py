@@ -193,7 +193,8 @@ class AccelerationSession:
                 logger.info("uninstall keeps %d value(s) set after install: %s", len(kept), self.kept_changes[:5])
             report = self.execution_report()
             report["installed"] = False
-            errors = deactivate_all([ActiveAcceleration(n, "", None, h) for n, h in self._companions])  # type: ignore[arg-type]
+            companions = [ActiveAcceleration(n, "", None, h) for n, h in self._companions]  # type: ignore[arg-type]
+            errors = deactivate_all(companions)
             errors += deactivate_all(self._active)
             self._guard.remove_listener(self)
             self._detach()
