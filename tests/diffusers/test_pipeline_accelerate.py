@@ -189,3 +189,28 @@ def test_calls_outside_a_pipeline_call_keep_their_old_behaviour():
     with pytest.raises(RequestError, match="outside a request"):
         tp.pipe.transformer(**inputs)
     accel.uninstall()
+
+
+def test_an_interrupt_inside_a_forward_leaves_no_stale_forward_state():
+    """KeyboardInterrupt skips torch's always-called hooks; the next call still uses the static K/V."""
+    tp = wan_t2v()
+    vanilla = tp.run()
+    accel = worldfoundry.accelerate(tp.pipe, {"easycache": {"threshold": 0.0},
+                                              "wan_cross_kv_fusion": {"min_tokens": 0}})
+    calls = {"n": 0}
+
+    def interrupt(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+
+    hook = tp.pipe.transformer.blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tp.run()
+    hook.remove()
+    assert accel.session.guard.active_forwards == 0 and accel.last_call.outcome == "failed"
+    assert torch.equal(tp.run(), vanilla)
+    counters = accel.last_call.plugins["wan_cross_kv_fusion"]["model"]["counters"]
+    assert counters["kv_cache_hit.cond"] == (STEPS - 1) * len(tp.pipe.transformer.blocks)
+    assert "kv_cache_concurrent" not in counters
+    accel.uninstall()

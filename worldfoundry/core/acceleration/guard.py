@@ -88,12 +88,19 @@ class RequestGuard:
 
     def release_thread_forwards(self) -> int:
         """Forget forwards this thread entered but never left (a ``KeyboardInterrupt`` skips torch's
-        always-called hooks). The runner calls it in ``finally``. Returns how many were released."""
+        always-called hooks) and tell the listeners (``on_release_thread``). The runner calls it when a request
+        fails. Returns how many were released."""
         depth = getattr(self._local, "depth", 0)
         if depth > 0:
             self._local.depth = 0
             with self._lock:
                 self._forwards -= depth
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:  # plugins with per-thread forward state forget it too
+            release = getattr(listener, "on_release_thread", None)
+            if release is not None:
+                release()
         return depth
 
     # ------------------------------------------------------------------ explicit requests

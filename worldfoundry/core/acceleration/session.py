@@ -115,6 +115,16 @@ class AccelerationSession:
         if errors:
             raise errors[0]
 
+    def on_release_thread(self) -> None:
+        """A request failed in this thread: handles forget forwards of this thread that never finished."""
+        for entry in self._active:
+            release = getattr(entry.handle, "release_thread", None)
+            if release is not None:
+                try:
+                    release()
+                except Exception as exc:  # the request's own failure is the one to report
+                    logger.error("releasing this thread's forwards in %s failed: %s", entry.name, exc)
+
     def prepare_request_schedule(self, request_id: str, schedule: Any) -> None:
         for entry in self._active:
             prepare = getattr(entry.handle, "prepare_request_schedule", None)
