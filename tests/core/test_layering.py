@@ -19,10 +19,16 @@ PLUGIN_SOURCES = sorted((ROOT / "plugins").glob("*/src/worldfoundry_*")) + sorte
     (ROOT / "docs" / "examples").glob("*/src/worldfoundry_*"))
 
 
+#: Names of numerical methods that a plugin is also named after. Core holds the method's numerics (the
+#: architecture puts SVDQuant's in ``core/acceleration/quantization``) and may name the method; it still holds no
+#: option keys, file names or spec handling of the plugin.
+METHOD_NAMES = frozenset({"svdquant"})
+
+
 def _plugin_names() -> set[str]:
     names = {ep.name for ep in importlib.metadata.entry_points(group="worldfoundry.accelerations")}
     names |= {path.name.removeprefix("worldfoundry_") for path in PLUGIN_SOURCES}
-    return names
+    return names - METHOD_NAMES
 
 
 def _core_files() -> list[Path]:

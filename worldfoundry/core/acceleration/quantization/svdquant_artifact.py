@@ -196,7 +196,7 @@ def _load_safetensors(manifest: Mapping[str, Any], manifest_path: Path,
                       entries: Mapping[str, LinearEntry]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    from worldfoundry.base_models.diffusion_model.codec_checkpoints import file_sha256
+    from worldfoundry.core.model_loading.file_digest import file_sha256
 
     file = str(manifest_path)
     spec = manifest.get("tensors")
@@ -291,7 +291,7 @@ def save_svdquant_artifact(manifest: Mapping[str, Any], tensors: Mapping[str, to
         return p
     from safetensors.torch import save_file
 
-    from worldfoundry.base_models.diffusion_model.codec_checkpoints import file_sha256
+    from worldfoundry.core.model_loading.file_digest import file_sha256
 
     tensor_path = p.with_suffix(".safetensors")
     save_file(host, str(tensor_path), metadata={"format": ARTIFACT_FORMAT})
