@@ -203,7 +203,7 @@ def _run_rowwise_probe(device: torch.device, use_fast_accum: bool) -> str | None
             error = float((out.float() - expected).abs().max() / expected.abs().max())
     except Exception as exc:  # any failure of the real call means: do not use it here
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"rowwise torch._scaled_mm unavailable on {device.type}: {message[:160]}"
+        return f"rowwise torch._scaled_mm unavailable on {device.type}: {message[:120]}"
     if not error <= 2.0**-7:  # one bfloat16 rounding of the output
         return f"rowwise torch._scaled_mm gives wrong results on {device.type} (relative error {error:.3g})"
     return None
