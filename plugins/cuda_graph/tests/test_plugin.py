@@ -266,3 +266,43 @@ def test_refusals_and_busy(tools: Any, wan: Any, registry: AccelerationRegistry)
     session.uninstall()
     with guard.request("busy2"), pytest.raises(ModelBusyError):
         install_diffusion_accelerations(wan.model, {"cuda_graph": True}, registry=registry)
+
+
+def _graph_objects(runner: Any) -> list[Any]:
+    """Everything the graph runner created for its captured signatures (buffers, outputs, the replayed forward)."""
+    objects: list[Any] = []
+    for entry in runner._entries.values():
+        objects += [entry, entry.captured, entry.captured._run, *entry.static.buffers, *entry.part_buffers]
+        leaves = torch.utils._pytree.tree_flatten(entry.captured.outputs)[0]
+        objects += [t for t in leaves if isinstance(t, torch.Tensor)]
+    return objects
+
+
+@pytest.mark.parametrize("stack", [{}, {"wan_cross_kv_fusion": {"min_tokens": 0}}], ids=["alone", "static_kv"])
+def test_uninstall_drops_every_reference_the_runner_created(tools: Any, stack: dict[str, Any]) -> None:
+    """With the garbage collector off (reference counts only): uninstall frees every static buffer, plugin buffer,
+    captured output and replayed forward even while the session object is kept, and the runner once it is dropped
+    (on a GPU these are what keeps graph-pool and buffer memory alive)."""
+    import gc
+    import weakref
+
+    wan = tools.build_wan()
+    session = install_diffusion_accelerations(wan.model, {**stack, "cuda_graph": True}, registry=tools.make_registry())
+    wan.run_request("r1", 3)
+    runner = session.handles("cuda_graph")["model"].runner
+    objects = _graph_objects(runner)
+    entries = list(runner._entries.values())
+    assert len(entries) == 1 and len(objects) >= 6
+    assert bool(entries[0].part_buffers) == bool(stack)  # the static K/V buffers the graph reads
+    refs = [weakref.ref(o) for o in objects]
+    runner_ref = weakref.ref(runner)
+    del objects, entries, runner
+    gc.disable()
+    try:
+        session.uninstall()
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert alive == []
+        del session
+        assert runner_ref() is None
+    finally:
+        gc.enable()

@@ -238,6 +238,26 @@ def test_release_frees_everything() -> None:
     assert runner.report()["signatures"] == [] and runner.pool_bytes() == 0
 
 
+def test_release_drops_every_reference_without_the_garbage_collector() -> None:
+    import gc
+    import weakref
+
+    model = Toy().eval()
+    runner, _ = _runner(model, max_signatures=2)
+    for rows in (2, 3, 4):  # one signature evicted on the way
+        _call(runner, model, torch.randn(rows, 8))
+    entries = list(runner._entries.values())
+    objects = [o for e in entries for o in (e, e.captured, e.captured._run, *e.static.buffers, *e.captured.outputs)]
+    refs = [weakref.ref(o) for o in objects]
+    del entries, objects
+    gc.disable()
+    try:
+        runner.release()
+        assert [type(r()).__name__ for r in refs if r() is not None] == []
+    finally:
+        gc.enable()
+
+
 def test_watch_is_quiet_without_changes() -> None:
     model = Toy().eval()
     watch = ModelStateWatch(model)
