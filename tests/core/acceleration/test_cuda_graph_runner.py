@@ -266,6 +266,50 @@ def test_watch_is_quiet_without_changes() -> None:
     assert watch.check() == 1
 
 
+def test_watch_sees_each_change_once() -> None:
+    """Every kind of change bumps the generation exactly once (the summed version counters, the pointer list, the
+    hook dicts before and after the first hook, patched forwards)."""
+    model = Toy().eval()
+    watch = ModelStateWatch(model)
+    generation = 0
+
+    def changed() -> bool:
+        nonlocal generation
+        before, generation = generation, watch.check()
+        return generation == before + 1 and watch.check() == generation
+
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+        assert changed() and "in place" in watch.last_change
+        model.lin.bias.zero_()
+        model.offset.mul_(2.0)
+        assert changed()
+    weight = model.lin.weight
+    weight.data, other = torch.randn(8, 8), weight.data  # a pointer swap through .data keeps every version counter
+    assert changed() and "moved" in watch.last_change
+    weight.data = other
+    assert changed()
+    handle = model.lin.register_forward_pre_hook(lambda m, a: None)
+    assert changed() and "hooks" in watch.last_change
+    second = model.register_forward_hook(lambda m, a, o: None)
+    assert changed()
+    handle.remove()
+    assert changed()
+    second.remove()
+    assert changed()
+    model.lin.forward = lambda t: t
+    assert changed() and "forward" in watch.last_change
+    model.lin.forward = lambda t: t + 0
+    assert changed()
+    del model.lin.forward
+    assert changed()
+    model.to(torch.float64)
+    assert changed()
+    model.lin = nn.Linear(8, 8)
+    assert changed() and "submodule" in watch.last_change
+    assert watch.check() == generation
+
+
 def test_ledger_divert_keeps_calls_and_apply_rewrites_the_request() -> None:
     ledger = ExecutionLedger("p")
     with request_scope(RequestContext("r1")):
