@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.offload.pinned import is_page_locked
+from worldfoundry.core.timing import count_host_syncs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,15 +20,7 @@ def _cuda_inputs(tiny) -> dict[str, torch.Tensor]:
 
 
 def _sync_warnings(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return count_host_syncs(torch.device("cuda"), fn)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import torch.nn as nn
 
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.model_loading.input_files import load_json_file
 from worldfoundry.errors import CheckpointError, RecipeError
@@ -41,6 +40,18 @@ WAN_TEXT_TOKENS: Final = 512
 WAN_IMAGE_TOKENS: Final = 257
 H3_TEXT_TOKENS: Final = 512
 _SAFETENSORS_INDEX: Final = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class BlockFamily(Protocol):
+    """What the probe needs to know of a model family: its name and its ``(path, block)`` list."""
+
+    name: str
+
+    def blocks(self, model: nn.Module) -> Sequence[tuple[str, nn.Module]]: ...
+
+
+#: ``family_of(model) -> BlockFamily``; raises for an unsupported model (the model layer supplies it).
+FamilyLookup = Callable[[nn.Module], BlockFamily]
 
 
 @dataclass(frozen=True)
@@ -198,12 +209,14 @@ def _random_init(block: nn.Module, seed: int, device: torch.device) -> None:
                 p.normal_(0.0, 0.02)
 
 
-def build_probe_block(source: DiTSource, *, device: torch.device, dtype: torch.dtype, random_weights: bool,
-                      index: int = 0, seed: int = 0) -> ProbeBlock:
+def build_probe_block(source: DiTSource, *, family_of: FamilyLookup, device: torch.device, dtype: torch.dtype,
+                      random_weights: bool, index: int = 0, seed: int = 0) -> ProbeBlock:
     """Materialise block ``index`` of the DiT on ``device``.
 
     Args:
         source: from :func:`resolve_dit_source`.
+        family_of: the model layer's family lookup (which modules are the blocks); handed down, so this
+            module does not depend on the model layer.
         device / dtype: where and in which compute dtype (fp32-kept modules stay fp32).
         random_weights: seeded random weights instead of the checkpoint's.
         index: which block (all blocks of the supported families have the same shape).
@@ -216,7 +229,7 @@ def build_probe_block(source: DiTSource, *, device: torch.device, dtype: torch.d
     cls = _import(source.class_path)
     with torch.device("meta"):
         model = cls.from_config(dict(source.config))
-    family = family_of(model, plugin="estimate-residency")
+    family = family_of(model)
     if family.name not in ESTIMATOR_FAMILIES:
         raise RecipeError(f"estimate-residency builds block inputs for {ESTIMATOR_FAMILIES}, not {family.name!r}")
     blocks = family.blocks(model)

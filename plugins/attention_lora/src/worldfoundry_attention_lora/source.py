@@ -10,7 +10,7 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.errors import AccelerationOptionsError, ArtifactMismatchError
+from worldfoundry.plugin import AccelerationOptionsError, ArtifactMismatchError
 from worldfoundry_attention_lora.options import NAME
 
 IDENTITY_FILE: Final = "file_sha256"

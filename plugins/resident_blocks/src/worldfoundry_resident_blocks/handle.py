@@ -9,12 +9,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from worldfoundry.core.acceleration.context import current_request_id
-from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals, install_move_guard
 from worldfoundry.core.offload.block_offload import BlockOffloadEngine, ForwardOutcome
 from worldfoundry.core.offload.receipts import OffloadRequestReceipt
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, current_request_id
 from worldfoundry_resident_blocks.options import NAME
 
 logger = logging.getLogger(__name__)
@@ -157,6 +155,13 @@ def _block_wrapper(handle: ResidentBlocksHandle, index: int,
     return make
 
 
+#: diffusers features that change where or in which dtype block weights live (the plugin owns that while active).
+OFFLOAD_REFUSED_CALLS = {
+    "enable_layerwise_casting": "it recasts the block weights resident_blocks keeps on the host",
+    "enable_group_offload": "it offloads the blocks resident_blocks already streams",
+}
+
+
 def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]],
                              resident_indices: Sequence[int], *, contiguous: bool, device: Any) -> ResidentBlocksHandle:
     """Move every block's weights to host masters and wrap the forwards (recorded, reversible).
@@ -164,7 +169,7 @@ def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Mo
     Returns:
         The :class:`ResidentBlocksHandle`.
     """
-    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device)
+    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device, owner=NAME)
     handle = ResidentBlocksHandle(engine, ExecutionLedger(NAME))
     with PatchRecorder(NAME) as recorder:
         # Registered first so it is undone last: weights return after the wrappers and hooks are gone.
@@ -172,6 +177,9 @@ def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Mo
         engine.offload()
         for index, (path, block) in enumerate(blocks):
             recorder.wrap_forward(block, _block_wrapper(handle, index, path), name=PATCH_NAME)
+        # Moves would go around the host masters and leave uninstall nothing consistent to give back.
+        install_move_guard(recorder, model, dict(blocks), plugin=NAME)
+        install_call_refusals(recorder, model, OFFLOAD_REFUSED_CALLS, plugin=NAME)
         recorder.hook(model.register_forward_pre_hook(handle.on_forward_start), "resident_blocks forward start")
         recorder.hook(model.register_forward_hook(handle.on_forward_end, always_call=True),
                       "resident_blocks forward end")

@@ -25,9 +25,10 @@ from worldfoundry.errors import AccelerationOptionsError, InputFileError, JsonIn
 
 #: The plugin these configs belong to (named in errors).
 PLUGIN: Final = "resident_blocks"
-#: Keys a residency config may hold (``estimate-residency`` writes all four).
+#: Keys a residency config may hold (``estimate-residency`` writes all five; ``estimate`` is its record of how r was
+#: chosen — both rules' r, their predicted waits, c, d, N — and is not an option).
 RESIDENCY_CONFIG_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous", "resident_block_indices",
-                                "num_blocks")
+                                "num_blocks", "estimate")
 MAX_RESIDENCY_CONFIG_BYTES: Final = 1 << 20
 #: Most blocks a config may name (no DiT has more than a few hundred).
 MAX_BLOCKS: Final = 100_000
@@ -71,6 +72,7 @@ def read_residency_config(path: str | os.PathLike[str], *, plugin: str = PLUGIN,
         "offload_resident_blocks": (lambda v: _is_count(v), "an integer in [0, 100000]"),
         "cpu_offload_block_contiguous": (lambda v: isinstance(v, bool), "true or false"),
         "num_blocks": (lambda v: v is None or _is_count(v, 1), "an integer in [1, 100000]"),
+        "estimate": (lambda v: v is None or isinstance(v, dict), "a JSON object (the estimator's record)"),
         "resident_block_indices": (
             lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_BLOCKS and all(_is_count(i) for i in v)),
             "a list of block indices (integers >= 0)"),

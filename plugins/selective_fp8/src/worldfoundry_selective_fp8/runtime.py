@@ -29,9 +29,7 @@ import torch
 import torch.nn as nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.guards import WeightViewGuard
-from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.kernels.dispatch import quantize_activations_rowwise_fp8
-from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.fp8 import CLIP_THRESHOLD
 from worldfoundry.core.acceleration.quantization.fp8_linear import (
     FP8RowwiseWeight,
@@ -39,7 +37,7 @@ from worldfoundry.core.acceleration.quantization.fp8_linear import (
     rowwise_scaled_mm_unavailable_reason,
     scaled_mm_rowwise,
 )
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle
 from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 

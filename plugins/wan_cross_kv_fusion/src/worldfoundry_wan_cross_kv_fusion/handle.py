@@ -37,17 +37,12 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     wan_conditioning_inputs,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    ExecutionLedger,
-    PatchRecorder,
-    RecordedHandle,
-)
-from worldfoundry.core.acceleration.context import RequestContext, current_request
 from worldfoundry.core.attention.fingerprints import ContentVersions, parameters_state, tensor_state
 from worldfoundry.core.attention.fused_projection import ProjectionResult, SharedInputProjection
 from worldfoundry.core.attention.packed_storage import DerivedPackedLinear
 from worldfoundry.core.attention.source_watch import LinearSourceWatch
 from worldfoundry.core.attention.static_kv_cache import CacheEntry, StaticKVCache
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, RequestContext, current_request
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 from worldfoundry_wan_cross_kv_fusion.runtime_state import (
     BELOW_MIN_TOKENS,
@@ -201,6 +196,19 @@ class WanCrossKVHandle(RecordedHandle):
         self._local.depth = depth - 1
         with self._lock:
             self._active -= 1
+            fast = self._fast
+            if fast is not None and fast.owner == _get_ident():
+                self._fast = None
+
+    def release_thread(self) -> None:
+        """Forget forwards this thread entered but never left (a ``KeyboardInterrupt`` skips the always-called
+        hook); otherwise every later forward would look concurrent and never use the static cache."""
+        depth = getattr(self._local, "depth", 0)
+        if depth <= 0:
+            return
+        self._local.depth = 0
+        with self._lock:
+            self._active -= depth
             fast = self._fast
             if fast is not None and fast.owner == _get_ident():
                 self._fast = None

@@ -23,13 +23,20 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     wan_conditioning_modules,
     wan_conditioning_positions,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import PatchRecorder, PreparedAcceleration
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
-from worldfoundry.core.acceleration.prepared import ROLE_OFFLOAD, ROLE_STATIC_KV_CACHE
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.core.attention.packed_storage import check_linears_packable
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError, ParameterPackingError
+from worldfoundry.plugin import (
+    ROLE_OFFLOAD,
+    ROLE_STATIC_KV_CACHE,
+    AccelerationRefusedError,
+    ParameterPackingError,
+    PatchRecorder,
+    PreparedAcceleration,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
+)
 from worldfoundry_wan_cross_kv_fusion.handle import KEY_NORMS, WanCrossKVHandle
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 
@@ -39,7 +46,7 @@ logger = logging.getLogger(__name__)
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Called once by the registry when it discovers this distribution's entry point."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)
 
 
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
@@ -129,9 +136,15 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup],
         for i, group in enumerate(groups):
             norm_path, norm = norms.get(i, (None, None))
             handle.add_group(recorder, group, norm, norm_path)
+        fusion = "diffusers' fused to_kv projection would bypass the packed K/V and its static cache"
+        install_call_refusals(recorder, model, {"fuse_qkv_projections": fusion}, plugin=PLUGIN_NAME)
+        for site in {id(g.site.module): g.site for g in groups}.values():
+            install_call_refusals(recorder, site.module, {"fuse_projections": fusion}, plugin=PLUGIN_NAME,
+                                  where=f"module {site.path!r}")
+        if opts.pack:  # the packed copy has one dtype; per-layer casting would split its sources
+            install_call_refusals(recorder, model, {
+                "enable_layerwise_casting": "it recasts the K/V weights wan_cross_kv_fusion packs into one copy",
+            }, plugin=PLUGIN_NAME)
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle
-
-
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)

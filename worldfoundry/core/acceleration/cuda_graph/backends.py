@@ -100,7 +100,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 class CudaGraphBackend:
     """CUDA graphs with a private pool per capture, warmed up and captured on :func:`capture_stream`."""
 
-    name = "cuda_graph"
+    name = "cuda"  # the capture backend (receipts: "backend"); "eager_replay" re-runs the eager forward (CPU)
     reruns_python = False
     pins_host_memory = True
 
