@@ -20,6 +20,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
 )
 from worldfoundry.base_models.diffusion_model.optimizations.refusals import CUDA_GRAPH_MARKER
 from worldfoundry.core.acceleration.cuda_graph import NO_CUDA_DEVICE
+from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.errors import (
     AccelerationConflictError,
@@ -263,9 +264,11 @@ def test_refusals_and_busy(tools: Any, wan: Any, registry: AccelerationRegistry)
     with guard.request("busy"):
         with pytest.raises(ModelBusyError):
             session.uninstall()
-    session.uninstall()
+    session.uninstall()  # detaches the guard the install attached
+    guard = get_request_guard(wan.model) or attach_request_guard(wan.model)
     with guard.request("busy2"), pytest.raises(ModelBusyError):
         install_diffusion_accelerations(wan.model, {"cuda_graph": True}, registry=registry)
+    assert getattr(wan.model, CUDA_GRAPH_MARKER, None) is None
 
 
 def _graph_objects(runner: Any) -> list[Any]:
