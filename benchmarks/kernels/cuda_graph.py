@@ -197,7 +197,8 @@ def add_bare_graph(workload: str, variants: dict[str, Any], device: torch.device
         out = bare().clone()
         sync(device)
         info.update(bare_capture_s=round(bare.capture_seconds, 4), bare_device_bytes_added=bare.device_bytes_added,
-                    bare_bitwise_vs_eager=bool(torch.equal(out, reference)), bare_rel_l2_vs_eager=rel_l2(out, reference))
+                    bare_bitwise_vs_eager=bool(torch.equal(out, reference)),
+                    bare_rel_l2_vs_eager=rel_l2(out, reference))
         variants["bare_graph"] = bare
     except Exception as exc:
         failures.append(f"{workload} bare_graph: {type(exc).__name__}: {exc}")
@@ -373,8 +374,8 @@ def ceiling_lines(results: dict[str, Any]) -> list[str]:
             continue
         profile = c.get("eager_profile") or {}
         lines.append(
-            f"{workload} ceiling: bare graph {c['ceiling_speedup']:.3f}x eager (bitwise={c.get('bare_bitwise_vs_eager')}"
-            f"); cuda_graph keeps {c.get('cuda_graph_vs_bare', float('nan')):.3f} of the bare graph's speed, host "
+            f"{workload} ceiling: bare graph {c['ceiling_speedup']:.3f}x eager "
+            f"(bitwise={c.get('bare_bitwise_vs_eager')}); cuda_graph keeps {c.get('cuda_graph_vs_bare', float('nan')):.3f} of the bare graph's speed, host "
             f"overhead share {c.get('host_overhead_share', float('nan')):.2%}; eager summed kernel time "
             f"{profile.get('device_ms')} ms over {profile.get('kernels')} kernels; host us per call "
             f"{c.get('host_call_us')}")

@@ -12,9 +12,10 @@ changed) is six C-level loops over flat lists built once, no per-module Python, 
 measured for it: identities by ``operator.is_`` (submodules, tensors) or list equality (patched forwards: functions
 compare by identity), the version counters *summed* (a counter only grows, and a replaced tensor is caught by the
 identity check first, so the sum changes whenever any counter does), data pointers through the unbound
-``torch.Tensor.data_ptr`` (about four times cheaper than ``operator.methodcaller``) and, while no module of the tree
-has a forward hook, one ``any()`` over the hook dicts instead of their lengths. Writes through ``tensor.data`` keep the pointer and bypass the version counter, so
-like every fingerprint in the project they are not seen (uninstall and install again after such edits).
+``torch.Tensor.data_ptr`` (half the cost of ``operator.methodcaller``) and, while no module of the tree has a forward
+hook, one ``any()`` over the hook dicts instead of their lengths. In-place writes through ``tensor.data`` keep the
+pointer and bypass the version counter, so like every fingerprint in the project they are not seen (uninstall and
+install again after such edits); assigning ``tensor.data = other`` moves the pointer and is seen.
 """
 
 from __future__ import annotations
