@@ -309,3 +309,28 @@ def test_uninstall_drops_every_reference_the_runner_created(tools: Any, stack: d
         assert runner_ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("stack", [{}, {"wan_cross_kv_fusion": {"min_tokens": 0}}], ids=["alone", "static_kv"])
+def test_no_tensor_outlives_an_install_cycle(tools: Any, stack: dict[str, Any]) -> None:
+    """The live tensors after install, a request (capture and replays) and uninstall are the ones before: nothing the
+    graph plugin or a co-installed plugin allocated stays referenced (the CPU image of device memory freed)."""
+    import gc
+
+    def live() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+    def cycle(request_id: str) -> None:
+        session = install_diffusion_accelerations(wan.model, {**stack, "cuda_graph": True},
+                                                  registry=tools.make_registry())
+        wan.run_request(request_id, 2)
+        assert tools.graphs(session)["totals"]["replays"] > 0
+        session.uninstall()
+
+    wan = tools.build_wan()
+    cycle("first")  # a first cycle imports modules (their constant tensors stay: process-wide, not the install's)
+    before = live()
+    for n in range(2):
+        cycle(f"r{n}")
+        assert live() <= before, n
