@@ -10,6 +10,14 @@ relative L2) and records the device memory each variant added and the graph pool
 rounds (rotating order, warm-up excluded, the garbage collector frozen) give median times and paired ratios vs
 eager. W81 runs eager and ``cuda_graph`` only (GPU-bound: ~1.0x expected).
 
+The replay's ceiling on the machine is measured beside it: ``bare_graph`` is one plain ``torch.cuda.CUDAGraph`` of
+the eager variant's own forward (same model, static inputs, no checks, no copies), replayed by ``graph.replay()``
+and checked bitwise against eager; the eager forward's summed kernel time (``torch.profiler``, one call) and its
+kernel count are recorded, and per call the host time of each variant (sync, then the call alone: for eager the
+launch time of every kernel, for ``cuda_graph`` its checks, copies and the one replay launch). The summary states
+the ceiling (eager / bare graph), the share of it ``cuda_graph`` keeps (bare graph / cuda_graph) and the host
+overhead share ((cuda_graph - bare graph) / cuda_graph).
+
 Goals checked at the end: W17 ``cuda_graph`` >= 1.30x eager, bitwise; capture <= 2 s per signature.
 
 Usage (H200)::
@@ -17,6 +25,7 @@ Usage (H200)::
     python benchmarks/kernels/cuda_graph.py                 # W17 + W81, torch.compile included (~4 min)
     python benchmarks/kernels/cuda_graph.py --skip-compile  # without the compile anchor (~1 min)
     python benchmarks/kernels/cuda_graph.py --smoke         # CPU, tiny model, the CPU replay executor
+    python benchmarks/kernels/cuda_graph.py --host-checks   # CPU: per-call state watch + signature, 30 blocks
 
 Writes ``$OUT/cuda_graph.json`` (``$OUT`` defaults to ``./bench_out``) and prints a table last.
 """
@@ -107,7 +116,97 @@ class Variant:
             self.guard.end_request(self.request_id)
 
 
-def graph_report(model: nn.Module) -> dict[str, Any] | None:
+class BareGraph:
+    """A plain ``torch.cuda.CUDAGraph`` of ``eager``'s forward on its own model and inputs: the replay's ceiling.
+
+    Args:
+        eager: the eager variant (its model, inputs and open request are reused; nothing is copied).
+        device: the CUDA device.
+    """
+
+    name = "bare_graph"
+
+    def __init__(self, eager: Variant, device: torch.device) -> None:
+        from worldfoundry.core.acceleration.cuda_graph import capture_stream
+
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            eager()  # warm-up on the capture stream (its cuBLAS workspace)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        self.graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.out = eager()
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.device_bytes_added = torch.cuda.memory_allocated(device) - before
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    def close(self) -> None:
+        self.graph.reset()
+        self.out = None
+
+
+def device_time(fn: Any, device: torch.device) -> dict[str, Any]:
+    """One call of ``fn`` under ``torch.profiler``: summed device time of its kernels and copies (ms: the GPU's
+    busy time), first start to last end (ms: busy time plus the gaps the host left) and their count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.time_range.elapsed_us() for e in kernels)
+    span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
+    return {"device_ms": round(total_us / 1e3, 3), "device_span_ms": round(span_us / 1e3, 3), "kernels": len(kernels)}
+
+
+def host_call_us(fn: Any, device: torch.device, n: int = 5) -> float:
+    """Median host time (us) of one call made on an idle device (what the caller waits before the next line)."""
+    samples = []
+    for _ in range(n):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    sync(device)
+    return round(sorted(samples)[n // 2], 1)
+
+
+def add_bare_graph(workload: str, variants: dict[str, Any], device: torch.device,
+                   failures: list[str]) -> dict[str, Any]:
+    """Capture the bare graph beside ``eager``, check it bitwise and profile eager's device time."""
+    info: dict[str, Any] = {}
+    eager = variants["eager"]
+    try:
+        info["eager_profile"] = device_time(eager, device)
+    except Exception as exc:
+        failures.append(f"{workload} eager profile: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    try:
+        bare = BareGraph(eager, device)
+        reference = eager().clone()
+        out = bare().clone()
+        sync(device)
+        info.update(bare_capture_s=round(bare.capture_seconds, 4), bare_device_bytes_added=bare.device_bytes_added,
+                    bare_bitwise_vs_eager=bool(torch.equal(out, reference)),
+                    bare_rel_l2_vs_eager=rel_l2(out, reference))
+        variants["bare_graph"] = bare
+    except Exception as exc:
+        failures.append(f"{workload} bare_graph: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    return info
+
+
+def graph_report(model: nn.Module | None) -> dict[str, Any] | None:
     session = getattr(model, "_worldfoundry_accelerations", None)
     if session is None or "cuda_graph" not in session.names:
         return None
@@ -206,9 +305,22 @@ def run_workload(workload: str, dense: nn.Module, registry: AccelerationRegistry
     text_dim = (WAN_TINY if args.smoke else WAN_1_3B)["text_dim"]
     inputs = make_inputs(latent, text_dim, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                          16 if args.smoke else TEXT_TOKENS)
-    variants = build_variants(workload, dense, inputs, registry, args, failures)
+    variants: dict[str, Any] = dict(build_variants(workload, dense, inputs, registry, args, failures))
     try:
         proofs = prove(workload, variants, device, failures)
+        ceiling = add_bare_graph(workload, variants, device, failures) if device.type == "cuda" else {}
+        if "bare_graph" in variants:
+            proofs["bare_graph"] = {"anchor": "eager", "bitwise_vs_anchor": ceiling["bare_bitwise_vs_eager"],
+                                    "rel_l2_vs_anchor": ceiling["bare_rel_l2_vs_eager"],
+                                    "capture_s": ceiling["bare_capture_s"],
+                                    "device_bytes_added": ceiling["bare_device_bytes_added"]}
+        host_us = {}
+        for name, variant in variants.items():
+            try:
+                host_us[name] = host_call_us(variant, device)
+            except Exception as exc:
+                failures.append(f"{workload} {name}: host time: {type(exc).__name__}: {exc}")
+        ceiling["host_call_us"] = host_us
         iters = args.iters if workload == "W17" else max(1, args.iters // 3)
         gc.collect()
         gc.freeze()
@@ -218,12 +330,16 @@ def run_workload(workload: str, dense: nn.Module, registry: AccelerationRegistry
         finally:
             gc.unfreeze()
         for name, variant in variants.items():
-            report = graph_report(variant.model)
+            report = graph_report(getattr(variant, "model", None))
             if report is not None:
                 proofs[name]["graphs_after_timing"] = report["totals"]
+        ceiling.update(summarize_ceiling(timing, ceiling))
         return {"latent": list(latent), "text_tokens": inputs["encoder_hidden_states"].shape[1], "iters": iters,
-                "rounds": args.rounds, "proofs": proofs, "timing": timing}
+                "rounds": args.rounds, "proofs": proofs, "timing": timing, "ceiling": ceiling}
     finally:
+        bare = variants.pop("bare_graph", None)
+        if bare is not None:
+            bare.close()
         for variant in variants.values():
             variant.close()
             session = getattr(variant.model, "_worldfoundry_accelerations", None)
@@ -235,6 +351,62 @@ def run_workload(workload: str, dense: nn.Module, registry: AccelerationRegistry
             torch.cuda.empty_cache()
 
 
+def summarize_ceiling(timing: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """Ceiling (eager / bare graph), share of it kept by ``cuda_graph`` and its host-overhead share."""
+    out: dict[str, Any] = {}
+    eager, bare, graph = (timing.get(n, {}).get("median_ms") for n in ("eager", "bare_graph", "cuda_graph"))
+    if eager and bare:
+        out["ceiling_speedup"] = round(eager / bare, 4)
+    if bare and graph:
+        out["cuda_graph_vs_bare"] = round(bare / graph, 4)
+        out["host_overhead_share"] = round((graph - bare) / graph, 4)
+    device_ms = (info.get("eager_profile") or {}).get("device_ms")
+    if eager and device_ms:
+        out["eager_vs_summed_kernel_time"] = round(eager / device_ms, 4)
+    return out
+
+
+def ceiling_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for workload, data in results["workloads"].items():
+        c = data.get("ceiling") or {}
+        if "ceiling_speedup" not in c:
+            continue
+        profile = c.get("eager_profile") or {}
+        lines.append(
+            f"{workload} ceiling: bare graph {c['ceiling_speedup']:.3f}x eager "
+            f"(bitwise={c.get('bare_bitwise_vs_eager')}); cuda_graph keeps {c.get('cuda_graph_vs_bare', float('nan')):.3f} of the bare graph's speed, host "
+            f"overhead share {c.get('host_overhead_share', float('nan')):.2%}; eager summed kernel time "
+            f"{profile.get('device_ms')} ms over {profile.get('kernels')} kernels; host us per call "
+            f"{c.get('host_call_us')}")
+    return lines
+
+
+def host_checks_cpu(args: argparse.Namespace) -> None:
+    """CPU microbenchmark of the per-call host checks on a Wan tree of 30 blocks (narrow widths, same modules,
+    parameters and buffers as Wan2.1-1.3B)."""
+    from worldfoundry.core.acceleration.cuda_graph import ModelStateWatch, call_signature
+
+    config = dict(WAN_TINY, num_layers=WAN_1_3B["num_layers"])
+    model = build_wan(config, torch.device("cpu"), torch.float32)
+    watch = ModelStateWatch(model)
+    inputs = make_inputs(SMOKE_WORKLOADS["W17"], config["text_dim"], torch.device("cpu"), torch.float32, 16)
+    result: dict[str, Any] = {"tensors": len(watch._tensors), "modules": len(watch._instance_dicts)}
+    for name, fn in (("state_watch", watch.check), ("signature", lambda: call_signature((), inputs))):
+        best = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(args.host_check_calls):
+                fn()
+            best.append((time.perf_counter() - start) / args.host_check_calls * 1e6)
+        result[f"{name}_us_min"] = round(min(best), 1)
+        result[f"{name}_us_median"] = round(sorted(best)[3], 1)
+    out_dir = Path(os.environ.get("OUT", "./bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cuda_graph_host_checks.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
 def table(results: dict[str, Any]) -> list[str]:
     rows = ["| workload | variant | median ms | vs eager (paired median [min, max]) | exact vs anchor | "
             "capture s | pool MiB | first calls s |", "|---|---|---|---|---|---|---|---|"]
@@ -243,7 +415,7 @@ def table(results: dict[str, Any]) -> list[str]:
             proof = data["proofs"].get(name, {})
             graphs = proof.get("graphs") or {}
             sigs = graphs.get("signatures") or []
-            capture = max((s["capture_seconds"] for s in sigs), default=None)
+            capture = max((s["capture_seconds"] for s in sigs), default=proof.get("capture_s"))
             pool = graphs.get("pool_bytes")
             exact = ("bitwise" if proof.get("bitwise_vs_anchor") else
                      f"rel L2 {proof['rel_l2_vs_anchor']:.2e}") if "anchor" in proof else "anchor"
@@ -265,6 +437,10 @@ def goals(results: dict[str, Any]) -> list[str]:
         ok = t["speedup_vs_eager"] >= GOAL_SPEEDUP and p.get("bitwise_vs_eager")
         lines.append(f"goal W17 cuda_graph >= {GOAL_SPEEDUP}x eager, bitwise: {t['speedup_vs_eager']:.3f}x, "
                      f"bitwise={p.get('bitwise_vs_eager')} -> {'PASS' if ok else 'FAIL'}")
+    ceiling = (w17.get("ceiling") or {}).get("ceiling_speedup")
+    if ceiling:
+        lines.append(f"W17 ceiling on this machine (bare graph / eager): {ceiling:.3f}x -> the {GOAL_SPEEDUP}x goal is "
+                     f"{'within' if ceiling >= GOAL_SPEEDUP else 'above'} what any replay of this forward can reach")
     captures = [s["capture_seconds"] for w in results["workloads"].values() for pr in w.get("proofs", {}).values()
                 for s in (pr.get("graphs") or {}).get("signatures", [])]
     if captures:
@@ -280,8 +456,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=6, help="calls per sample at W17 (W81: a third)")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, the CPU replay executor")
+    parser.add_argument("--host-checks", action="store_true", help="CPU microbenchmark of the per-call checks only")
+    parser.add_argument("--host-check-calls", type=int, default=200)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.host_checks:
+        host_checks_cpu(args)
+        return
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         args.smoke, args.skip_compile = True, True
@@ -309,6 +490,7 @@ def main() -> None:
     for line in failures:
         print("FAILED:", line)
     print("\n".join(table(results)))
+    print("\n".join(ceiling_lines(results)))
     if args.smoke:
         print("smoke run (CPU, tiny model, replay executor): the goals below are not measured")
     print("\n".join(goals(results)))

@@ -22,6 +22,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
 )
 from worldfoundry.base_models.diffusion_model.optimizations.refusals import CUDA_GRAPH_MARKER
 from worldfoundry.core.acceleration.cuda_graph import NO_CUDA_DEVICE
+from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.errors import (
     AccelerationConflictError,
@@ -265,6 +266,73 @@ def test_refusals_and_busy(tools: Any, wan: Any, registry: AccelerationRegistry)
     with guard.request("busy"):
         with pytest.raises(ModelBusyError):
             session.uninstall()
-    session.uninstall()
+    session.uninstall()  # detaches the guard the install attached
+    guard = get_request_guard(wan.model) or attach_request_guard(wan.model)
     with guard.request("busy2"), pytest.raises(ModelBusyError):
         install_diffusion_accelerations(wan.model, {"cuda_graph": True}, registry=registry)
+    assert getattr(wan.model, CUDA_GRAPH_MARKER, None) is None
+
+
+def _graph_objects(runner: Any) -> list[Any]:
+    """Everything the graph runner created for its captured signatures (buffers, outputs, the replayed forward)."""
+    objects: list[Any] = []
+    for entry in runner._entries.values():
+        objects += [entry, entry.captured, entry.captured._run, *entry.static.buffers, *entry.part_buffers]
+        leaves = torch.utils._pytree.tree_flatten(entry.captured.outputs)[0]
+        objects += [t for t in leaves if isinstance(t, torch.Tensor)]
+    return objects
+
+
+@pytest.mark.parametrize("stack", [{}, {"wan_cross_kv_fusion": {"min_tokens": 0}}], ids=["alone", "static_kv"])
+def test_uninstall_drops_every_reference_the_runner_created(tools: Any, stack: dict[str, Any]) -> None:
+    """With the garbage collector off (reference counts only): uninstall frees every static buffer, plugin buffer,
+    captured output and replayed forward even while the session object is kept, and the runner once it is dropped
+    (on a GPU these are what keeps graph-pool and buffer memory alive)."""
+    import gc
+    import weakref
+
+    wan = tools.build_wan()
+    session = install_diffusion_accelerations(wan.model, {**stack, "cuda_graph": True}, registry=tools.make_registry())
+    wan.run_request("r1", 3)
+    runner = session.handles("cuda_graph")["model"].runner
+    objects = _graph_objects(runner)
+    entries = list(runner._entries.values())
+    assert len(entries) == 1 and len(objects) >= 6
+    assert bool(entries[0].part_buffers) == bool(stack)  # the static K/V buffers the graph reads
+    refs = [weakref.ref(o) for o in objects]
+    runner_ref = weakref.ref(runner)
+    del objects, entries, runner
+    gc.disable()
+    try:
+        session.uninstall()
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert alive == []
+        del session
+        assert runner_ref() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("stack", [{}, {"wan_cross_kv_fusion": {"min_tokens": 0}}], ids=["alone", "static_kv"])
+def test_no_tensor_outlives_an_install_cycle(tools: Any, stack: dict[str, Any]) -> None:
+    """The live tensors after install, a request (capture and replays) and uninstall are the ones before: nothing the
+    graph plugin or a co-installed plugin allocated stays referenced (the CPU image of device memory freed)."""
+    import gc
+
+    def live() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+    def cycle(request_id: str) -> None:
+        session = install_diffusion_accelerations(wan.model, {**stack, "cuda_graph": True},
+                                                  registry=tools.make_registry())
+        wan.run_request(request_id, 2)
+        assert tools.graphs(session)["totals"]["replays"] > 0
+        session.uninstall()
+
+    wan = tools.build_wan()
+    cycle("first")  # a first cycle imports modules (their constant tensors stay: process-wide, not the install's)
+    before = live()
+    for n in range(2):
+        cycle(f"r{n}")
+        assert live() <= before, n

@@ -238,12 +238,76 @@ def test_release_frees_everything() -> None:
     assert runner.report()["signatures"] == [] and runner.pool_bytes() == 0
 
 
+def test_release_drops_every_reference_without_the_garbage_collector() -> None:
+    import gc
+    import weakref
+
+    model = Toy().eval()
+    runner, _ = _runner(model, max_signatures=2)
+    for rows in (2, 3, 4):  # one signature evicted on the way
+        _call(runner, model, torch.randn(rows, 8))
+    entries = list(runner._entries.values())
+    objects = [o for e in entries for o in (e, e.captured, e.captured._run, *e.static.buffers, *e.captured.outputs)]
+    refs = [weakref.ref(o) for o in objects]
+    del entries, objects
+    gc.disable()
+    try:
+        runner.release()
+        assert [type(r()).__name__ for r in refs if r() is not None] == []
+    finally:
+        gc.enable()
+
+
 def test_watch_is_quiet_without_changes() -> None:
     model = Toy().eval()
     watch = ModelStateWatch(model)
     assert watch.check() == 0 and watch.check() == 0
     model.train()
     assert watch.check() == 1
+
+
+def test_watch_sees_each_change_once() -> None:
+    """Every kind of change bumps the generation exactly once (the summed version counters, the pointer list, the
+    hook dicts before and after the first hook, patched forwards)."""
+    model = Toy().eval()
+    watch = ModelStateWatch(model)
+    generation = 0
+
+    def changed() -> bool:
+        nonlocal generation
+        before, generation = generation, watch.check()
+        return generation == before + 1 and watch.check() == generation
+
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+        assert changed() and "in place" in watch.last_change
+        model.lin.bias.zero_()
+        model.offset.mul_(2.0)
+        assert changed()
+    weight = model.lin.weight
+    weight.data, other = torch.randn(8, 8), weight.data  # a pointer swap through .data keeps every version counter
+    assert changed() and "moved" in watch.last_change
+    weight.data = other
+    assert changed()
+    handle = model.lin.register_forward_pre_hook(lambda m, a: None)
+    assert changed() and "hooks" in watch.last_change
+    second = model.register_forward_hook(lambda m, a, o: None)
+    assert changed()
+    handle.remove()
+    assert changed()
+    second.remove()
+    assert changed()
+    model.lin.forward = lambda t: t
+    assert changed() and "forward" in watch.last_change
+    model.lin.forward = lambda t: t + 0
+    assert changed()
+    del model.lin.forward
+    assert changed()
+    model.to(torch.float64)
+    assert changed()
+    model.lin = nn.Linear(8, 8)
+    assert changed() and "submodule" in watch.last_change
+    assert watch.check() == generation
 
 
 def test_ledger_divert_keeps_calls_and_apply_rewrites_the_request() -> None:

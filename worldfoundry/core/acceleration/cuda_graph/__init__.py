@@ -8,6 +8,7 @@ from worldfoundry.core.acceleration.cuda_graph.backends import (
     CudaGraphBackend,
     EagerReplayBackend,
     GraphBackend,
+    capture_stream,
 )
 from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall, Participants, gather
 from worldfoundry.core.acceleration.cuda_graph.runner import GraphRunner
@@ -27,5 +28,6 @@ __all__ = [
     "Participants",
     "TensorSpec",
     "call_signature",
+    "capture_stream",
     "gather",
 ]

@@ -12,6 +12,7 @@ exactly the ledger calls the capture made (what a frozen graph assumes).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -75,15 +76,33 @@ class _CudaCaptured:
         self.pool = None
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_CAPTURE_STREAMS_LOCK = threading.Lock()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process-wide side stream that warm-ups and captures on ``device`` run on (created once per device).
+
+    Args:
+        device: a CUDA device (``cuda`` without an index: the current device).
+
+    Returns:
+        The same ``torch.cuda.Stream`` for every call with that device.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _CAPTURE_STREAMS_LOCK:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 class CudaGraphBackend:
-    """CUDA graphs with a private pool per capture and one side stream per device for warm-up and capture."""
+    """CUDA graphs with a private pool per capture, warmed up and captured on :func:`capture_stream`."""
 
     name = "cuda"  # the capture backend (receipts: "backend"); "eager_replay" re-runs the eager forward (CPU)
     reruns_python = False
     pins_host_memory = True
-
-    def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
 
     def unavailable(self, device: torch.device) -> str | None:
         if not torch.cuda.is_available():
@@ -92,26 +111,27 @@ class CudaGraphBackend:
             return f"the model is on {device}, not a CUDA device"
         return None
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
-
     def warm_up(self, run: Callable[[], Any], device: torch.device) -> Any:
-        """Run the forward eagerly on the capture's side stream (lazy initialisation happens outside capture)."""
+        """Run the forward eagerly on the capture's side stream (lazy initialisation happens outside capture).
+
+        Its output goes back to the caller, who uses it on the current stream: its memory is recorded on that
+        stream, so the allocator does not hand it to the side stream again before the caller's work on it ran.
+        """
         with torch.cuda.device(device):
-            stream, current = self._stream(device), torch.cuda.current_stream()
+            stream, current = capture_stream(device), torch.cuda.current_stream()
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 out = run()
             current.wait_stream(stream)
+            leaves, _ = tree_flatten(out)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(current)
         return out
 
     def capture(self, run: Callable[[], Any], device: torch.device) -> _CudaCaptured:
         with torch.cuda.device(device):
-            stream, current = self._stream(device), torch.cuda.current_stream()
+            stream, current = capture_stream(device), torch.cuda.current_stream()
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             pool = torch.cuda.graph_pool_handle()
@@ -174,4 +194,6 @@ class EagerReplayBackend:
         return _Replayed(run, run())
 
 
-__all__ = ["NO_CUDA_DEVICE", "CapturedForward", "CudaGraphBackend", "EagerReplayBackend", "GraphBackend"]
+__all__ = [
+    "NO_CUDA_DEVICE", "CapturedForward", "CudaGraphBackend", "EagerReplayBackend", "GraphBackend", "capture_stream",
+]

@@ -8,9 +8,14 @@ eval mode. (A parameter or submodule *added* changes nothing until a forward use
 or a hook, both seen.)
 
 :class:`ModelStateWatch` keeps a *generation* number that grows on any such change. The common case (nothing
-changed) is a few C-level loops over flat lists built once (identities, version counters, data pointers, hook
-counts), no per-module Python. Writes through ``tensor.data`` keep the pointer and bypass the version counter, so
-like every fingerprint in the project they are not seen (uninstall and install again after such edits).
+changed) is six C-level loops over flat lists built once, no per-module Python, each with the cheapest primitive
+measured for it: identities by ``operator.is_`` (submodules, tensors) or list equality (patched forwards: functions
+compare by identity), the version counters *summed* (a counter only grows, and a replaced tensor is caught by the
+identity check first, so the sum changes whenever any counter does), data pointers through the unbound
+``torch.Tensor.data_ptr`` (half the cost of ``operator.methodcaller``) and, while no module of the tree has a forward
+hook, one ``any()`` over the hook dicts instead of their lengths. In-place writes through ``tensor.data`` keep the
+pointer and bypass the version counter, so like every fingerprint in the project they are not seen (uninstall and
+install again after such edits); assigning ``tensor.data = other`` moves the pointer and is seen.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import operator
 from itertools import repeat
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module_globals
 
 _version = operator.attrgetter("_version")
-_data_ptr = operator.methodcaller("data_ptr")
+_data_ptr = torch.Tensor.data_ptr
 #: Forward hooks only: a graph runs with autograd off, so backward hooks never fire in it.
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 _GLOBAL_HOOKS = tuple(getattr(_module_globals, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -59,17 +65,18 @@ class ModelStateWatch:
         self._instance_dicts = [m.__dict__ for m in modules]
         self._tensors_now = list(map(dict.get, self._tensor_dicts, self._tensor_names))
         self._tensors = [t for t in self._tensors_now if t is not None]
-        self._versions = self._read_versions()
-        self.versions_seen = self._versions is not None
+        self._version_sum = self._read_versions()
+        self.versions_seen = self._version_sum is not None
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._children = list(map(dict.get, self._child_dicts, self._child_names))
         self._hook_counts = list(map(len, self._hook_dicts))
+        self._hooked = any(self._hook_counts)
         self._forwards = list(map(dict.get, self._instance_dicts, repeat("forward")))
         self._training = self._model.training
 
-    def _read_versions(self) -> list[int] | None:
+    def _read_versions(self) -> int | None:
         try:
-            return list(map(_version, self._tensors))
+            return sum(map(_version, self._tensors))
         except RuntimeError:  # inference tensors have no version counter: identities and pointers only
             return None
 
@@ -87,13 +94,13 @@ class ModelStateWatch:
             return "a submodule was replaced"
         if not all(map(operator.is_, map(dict.get, self._tensor_dicts, self._tensor_names), self._tensors_now)):
             return "a parameter or buffer was replaced"
-        if self._versions is not None and self._read_versions() != self._versions:
+        if self._version_sum is not None and self._read_versions() != self._version_sum:
             return "a parameter or buffer was edited in place"
         if list(map(_data_ptr, self._tensors)) != self._ptrs:
             return "a parameter or buffer was moved or cast"
-        if list(map(len, self._hook_dicts)) != self._hook_counts:
+        if (list(map(len, self._hook_dicts)) != self._hook_counts) if self._hooked else any(self._hook_dicts):
             return "module hooks were added or removed"
-        if not all(map(operator.is_, map(dict.get, self._instance_dicts, repeat("forward")), self._forwards)):
+        if list(map(dict.get, self._instance_dicts, repeat("forward"))) != self._forwards:
             return "a module forward was patched or restored"
         if self._model.training != self._training:
             return "the model's training flag changed"
