@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from worldfoundry.bench.candidates import Candidate, CandidateFile, load_candidates
+from worldfoundry.bench.candidates import Candidate, CandidateFile
 from worldfoundry.bench.execution import prove_execution
 from worldfoundry.bench.metrics import quality, relative_l2, within_budget
 from worldfoundry.bench.provenance import (
@@ -34,6 +34,7 @@ from worldfoundry.bench.timing import (
     speed_bound,
     timed_generate,
 )
+from worldfoundry.bench.unavailable import insert_rows, load_available
 from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
@@ -111,7 +112,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
     candidates_path = config.candidates or str(default_candidates_path())
-    cfile = load_candidates(candidates_path, registry=registry)  # validated before loading anything
+    cfile, unavailable = load_available(candidates_path, registry=registry)  # validated before loading anything
     model = config.model or cfile.model or DEFAULT_MODEL
     seeds = list(config.seeds or cfile.seeds)
     rounds = int(config.rounds or cfile.rounds or 3)
@@ -128,6 +129,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
                                                    random_weights=config.random_weights, registry=registry)
     try:
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
+        insert_rows(results["candidates"], unavailable)
     finally:
         pipe.close()
         config.extra.pop("_timing_policy", None)
