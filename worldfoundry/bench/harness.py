@@ -4,7 +4,7 @@ interleaved paired timing -> verdict; finally results.json, report.md and plots.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,10 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
         results["dense"]["control"] = control
         noise_floor = max(1.0, control["ci95"][1])
         results["noisy_host"] = noisy_host(noise_floor, tpolicy)
+        if results["noisy_host"]:  # no speed verdict will be given: more rounds would only cost time
+            logger.warning("%s", results["noisy_host"])
+            tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
+            results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
     results["noise_floor"] = noise_floor
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
