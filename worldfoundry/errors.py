@@ -32,17 +32,28 @@ class AccelerationOptionsError(WorldFoundryError, ValueError):
 class UnknownAccelerationError(WorldFoundryError, KeyError):
     """An acceleration name is not registered."""
 
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    def __init__(self, name: str, known: Iterable[str], *, distribution: str | None = None,
+                 skipped_by_allowlist: bool = False) -> None:
         self.name = name
         self.known = tuple(sorted(known))
+        #: the distribution that provides ``name`` when it is a built-in plugin (``worldfoundry-easycache``).
+        self.distribution = distribution
+        #: an installed entry point of that name was skipped by ``WORLDFOUNDRY_PLUGINS``.
+        self.skipped_by_allowlist = skipped_by_allowlist
         super().__init__(name)
 
     def __str__(self) -> str:
         known = ", ".join(self.known) if self.known else "(none registered)"
-        return (
-            f"unknown acceleration {self.name!r}; known accelerations: {known}. "
-            "Install the plugin distribution or check WORLDFOUNDRY_PLUGINS."
-        )
+        head = f"unknown acceleration {self.name!r}; known accelerations: {known}. "
+        if self.skipped_by_allowlist:
+            return head + f"It is installed but not in WORLDFOUNDRY_PLUGINS: add {self.name!r} there or unset it."
+        if self.distribution is not None:
+            return head + (
+                f"It is provided by the distribution {self.distribution!r}, which is not installed: install it "
+                f"(pip install {self.distribution}, or every built-in plugin with pip install \"worldfoundry[all]\"; "
+                "from a checkout, see the README's Install section)."
+            )
+        return head + "Install the distribution that provides it, or check WORLDFOUNDRY_PLUGINS."
 
 
 class DuplicateAccelerationError(WorldFoundryError, ValueError):
@@ -147,17 +158,29 @@ class RequestError(WorldFoundryError, ValueError):
 
 
 class UnknownRecipeError(WorldFoundryError, KeyError):
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    """No recipe of that name among the installed recipes (the working directory is never searched)."""
+
+    def __init__(self, name: str, known: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.known = tuple(sorted(known))
+        self.hint = hint
         super().__init__(name)
 
     def __str__(self) -> str:
-        return f"unknown recipe {self.name!r}; known recipes: {', '.join(self.known)}"
+        text = f"unknown recipe {self.name!r}; known recipes: {', '.join(self.known)}"
+        return f"{text}. {self.hint}" if self.hint else text
 
 
 class RecipeError(WorldFoundryError, ValueError):
     """A recipe file is malformed."""
+
+
+class ClassNotAllowedError(RecipeError):
+    """A recipe names a class outside the allowlist (nothing was imported or called).
+
+    Recipes may name top-level diffusers models/schedulers, transformers models/configs/tokenizers/image
+    processors, worldfoundry's own classes and classes registered through the ``worldfoundry.classes`` entry point
+    group."""
 
 
 class MissingWeightsError(WorldFoundryError, FileNotFoundError):
@@ -182,8 +205,27 @@ class ArtifactMismatchError(WorldFoundryError, ValueError):
     """An artifact (calibration, bundle, adapter) does not match the model or checkpoint it is used with."""
 
 
+class CommandLineError(WorldFoundryError, ValueError):
+    """A command-line argument is wrong (a missing file, a file where a directory belongs, an unusable
+    device); the message names the flag and what to pass instead."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+
 class InvalidRequestError(WorldFoundryError, ValueError):
     """A generation request has invalid fields (frame count, size, steps, ...)."""
+
+
+class MissingDependencyError(WorldFoundryError, ImportError):
+    """An optional capability needs a package that is not installed; the message names the package."""
+
+    def __init__(self, feature: str, package: str, detail: str = "") -> None:
+        self.feature = feature
+        self.package = package
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"{feature} needs the package {package!r}{extra}: pip install {package}")
 
 
 class CandidateSchemaError(WorldFoundryError, ValueError):
@@ -192,6 +234,10 @@ class CandidateSchemaError(WorldFoundryError, ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         super().__init__(f"{path}: {message}")
+
+
+class BenchArgumentError(WorldFoundryError, ValueError):
+    """Benchmark arguments contradict each other or are out of range (``--model`` with ``--recipe-file``, ...)."""
 
 
 class PipelineClosedError(WorldFoundryError, RuntimeError):
@@ -209,6 +255,68 @@ class UnsupportedCodecOptionError(WorldFoundryError, ValueError):
 
 class QuantizationInputError(WorldFoundryError, ValueError):
     """A tensor handed to a quantization routine has an unsupported dtype, shape, layout or device."""
+
+
+# --- untrusted files -----------------------------------------------------------------------------
+
+
+class CheckpointKeysError(CheckpointError):
+    """A checkpoint's tensor names differ from the model's: ``.missing`` and ``.unexpected`` list them all."""
+
+    def __init__(self, where: str, missing: Sequence[str], unexpected: Sequence[str], hint: str = "") -> None:
+        self.where = where
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        parts = []
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing tensor(s): {', '.join(repr(k) for k in self.missing[:6])}"
+                         + (" ..." if len(self.missing) > 6 else ""))
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected tensor(s): "
+                         f"{', '.join(repr(k) for k in self.unexpected[:6])}" + (" ..." if len(self.unexpected) > 6 else ""))
+        super().__init__(f"{where}: the checkpoint does not match the model: {'; '.join(parts)}. "
+                         + (hint or "Use the checkpoint written for this model configuration."))
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """A weight tensor holds NaN or Inf values; ``.key`` names it."""
+
+    def __init__(self, where: str, key: str, count: int | None = None) -> None:
+        self.where = where
+        self.key = key
+        what = f"{count} NaN/Inf value(s)" if count is not None else "NaN or Inf values"
+        super().__init__(f"{where}: tensor {key!r} holds {what}; the file is corrupt or was saved from a diverged "
+                         "model. Use an intact checkpoint")
+
+
+class InputFileError(WorldFoundryError, ValueError):
+    """A file given as input cannot be accepted before reading it (missing, a directory, a special file, too large).
+
+    ``.file`` names it."""
+
+    def __init__(self, file: str, message: str) -> None:
+        self.file = file
+        super().__init__(f"{file}: {message}")
+
+
+class JsonInputError(WorldFoundryError, ValueError):
+    """A JSON input is malformed (not UTF-8, invalid syntax, duplicate keys, too deep, a number out of range).
+
+    ``.file`` and ``.path`` (``$.workload.frames``) name the file and the value."""
+
+    def __init__(self, file: str, path: str, message: str) -> None:
+        self.file = file
+        self.path = path
+        super().__init__(f"{file}: {path}: {message}")
+
+
+class CalibrationArtifactError(ArtifactMismatchError):
+    """A calibration artifact is malformed; ``.file`` and ``.key`` (``checkpoint.sha256``) name the bad field."""
+
+    def __init__(self, file: str, key: str, message: str) -> None:
+        self.file = file
+        self.key = key
+        super().__init__(f"{file}: {key}: {message}; write the artifact again with calibrate_plugins.py")
 
 
 # --- attention -----------------------------------------------------------------------------------

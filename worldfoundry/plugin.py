@@ -33,6 +33,7 @@ from __future__ import annotations
 from worldfoundry import hookimpl
 from worldfoundry.base_models.diffusion_model.optimizations.families import (
     FAMILIES,
+    AttentionSite,
     ModelFamily,
     family_of,
     module_path,
@@ -50,18 +51,22 @@ from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
 )
 from worldfoundry.core.acceleration.context import RequestContext, current_request, current_request_id, request_scope
 from worldfoundry.core.acceleration.handle import RecordedHandle
+from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.options import (
     OptionValueError,
     PluginOptions,
     any_of,
     boolean,
     choice,
+    file_path,
     integer,
+    join_path,
     nested,
     number,
     option,
     optional,
     sequence_of,
+    shown_value,
     string,
 )
 from worldfoundry.core.acceleration.patching import NOTSET, PatchRecorder
@@ -82,11 +87,20 @@ from worldfoundry.core.acceleration.prepared import (
     role,
 )
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.acceleration.session import AccelerationSession, get_session
+from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import (
     AccelerationInstallError,
     AccelerationOptionsError,
+    AccelerationRefusedError,
+    ArtifactMismatchError,
+    AttentionBackendError,
     InferenceViewError,
+    InvalidRequestError,
+    ParameterPackingError,
+    RequestError,
+    SessionAlreadyInstalledError,
     WorldFoundryError,
 )
 
@@ -105,17 +119,27 @@ __all__ = [
     "AccelerationHandle",
     "AccelerationInstallError",
     "AccelerationOptionsError",
+    "AccelerationRefusedError",
+    "AccelerationRegistry",
     "AccelerationSession",
+    "ArtifactMismatchError",
+    "AttentionBackendError",
+    "AttentionSite",
     "ExecutionLedger",
     "InferenceViewError",
+    "InvalidRequestError",
     "ModelFamily",
     "OptionValueError",
+    "ParameterPackingError",
     "PatchRecorder",
     "PluginOptions",
     "PrepareFactory",
     "PreparedAcceleration",
     "RecordedHandle",
     "RequestContext",
+    "RequestError",
+    "RuntimePolicy",
+    "SessionAlreadyInstalledError",
     "WorldFoundryError",
     "any_of",
     "boolean",
@@ -125,10 +149,13 @@ __all__ = [
     "current_request_id",
     "diffusers_hooks",
     "family_of",
+    "file_path",
     "get_session",
     "hookimpl",
+    "install_diffusion_accelerations",
     "integer",
     "is_role",
+    "join_path",
     "module_path",
     "nested",
     "number",
@@ -144,6 +171,7 @@ __all__ = [
     "request_scope",
     "role",
     "sequence_of",
+    "shown_value",
     "string",
 ]
 

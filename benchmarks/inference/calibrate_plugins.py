@@ -8,6 +8,10 @@ Subcommands (``CALIBRATIONS``; add one with :func:`register_calibration`):
 
 Calibration uses its own clips (seeds/prompts 11 and 12); evaluations use 42 and 43.
 
+Inputs are data: checkpoints and clips are read with ``torch.load(weights_only=True)`` after a stat check, and a
+refused input (corrupt, poisoned with pickled code, NaN weights, a special file) ends the command with one
+``error:`` line and exit status 2.
+
 Usage::
 
     python benchmarks/inference/calibrate_plugins.py lightvae_fp8 --checkpoint lightvaew2_1.pth \
@@ -138,5 +142,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """:func:`main` as a command: a typed error (bad checkpoint, clip or artifact) is one line, not a traceback.
+
+    Returns:
+        0 on success, 2 when an input was refused.
+    """
+    from worldfoundry.errors import WorldFoundryError
+
+    try:
+        return 0 if main(argv) else 1
+    except WorldFoundryError as exc:
+        logging.getLogger(__name__).debug("calibration failed", exc_info=True)
+        print(f"calibrate_plugins.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(cli())

@@ -27,7 +27,6 @@ import argparse
 import copy
 import gc
 import statistics
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +43,10 @@ from worldfoundry.bench.microbench import (
     WAN_1_3B,
     WAN_TINY,
     WORKLOADS,
+    Region,
     rel_l2,
     sync,
+    time_calls,
 )
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
@@ -130,22 +131,8 @@ def memory_delta(before: dict[str, int | None], after: dict[str, int | None]) ->
 # ---------------------------------------------------------------------------------------------- timing
 def _time_sample(fn: Callable[[], Any], device: torch.device, iters: int) -> tuple[float, float]:
     """``(device ms, CPU enqueue ms)`` per call over ``iters`` back-to-back calls; on the CPU both are wall time."""
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        cpu = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters, cpu * 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    wall = (time.perf_counter() - t0) * 1e3 / iters
-    return wall, wall
+    region = time_calls(fn, device, iters)
+    return region.device_ms / iters, region.enqueue_ms / iters
 
 
 def _gc_collections() -> int:
@@ -196,20 +183,11 @@ def enqueue_profile(calls: dict[str, Callable[[], Any]], device: torch.device, s
     gpu: dict[str, list[float]] = {n: [] for n in names}
     for i in range(samples):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            sync(device)
+            with Region(device) as region:
+                calls[name]()
+            cpu[name].append(region.enqueue_ms)
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t0 = time.perf_counter()
-                calls[name]()
-                cpu[name].append((time.perf_counter() - t0) * 1e3)
-                end.record()
-                end.synchronize()
-                gpu[name].append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                calls[name]()
-                cpu[name].append((time.perf_counter() - t0) * 1e3)
+                gpu[name].append(region.device_ms)
     out: dict[str, Any] = {}
     for name in names:
         c = statistics.median(cpu[name])

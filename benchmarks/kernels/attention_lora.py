@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worldfoundry.bench.microbench import time_ms
+
 SCALE = -1.0
 H3_FULL = {"num_attention_heads": 56, "attention_head_dim": 128, "hidden_size": 5376, "ffn_dim": 14336,
            "time_embed_dim": 2688, "norm_eps": 1e-5, "qk_norm_eps": 1e-5, "rope_freq_dim": 16}
@@ -65,25 +67,13 @@ WAN_SMOKE = {"num_attention_heads": 2, "attention_head_dim": 32, "in_channels": 
 
 # --------------------------------------------------------------------------------------------------- timing
 class Timer:
-    """Wall time of ``fn`` per call: CUDA events on the GPU, ``perf_counter`` on the CPU."""
+    """Milliseconds of ``fn`` per call on one device (:func:`worldfoundry.bench.microbench.time_ms`)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
 
     def __call__(self, fn: Callable[[], Any], iters: int) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / iters
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
+        return time_ms(fn, self.device, iters)
 
 
 def paired_abba(variants: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], run: Callable[[], Any],

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FirstBlockCacheConfig, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+from diffusers import FirstBlockCacheConfig, FlowMatchEulerDiscreteScheduler
 
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
-from worldfoundry.bench.microbench import WAN_1_3B, sync
+from worldfoundry.bench.microbench import WAN_1_3B, bf16_wan, sync
 from worldfoundry.bench.microbench import provenance as shared_provenance
 from worldfoundry.bench.microbench import WAN_TINY as WAN_TINY_BASE
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -56,17 +56,7 @@ RANDOM_NOTE = ("random seeded weights: the skip pattern and the relative L2 say 
 FBC_HEAD_HOOK = "fbc_leader_block_hook"
 
 
-def build_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialise on the device (fast for 1.3B parameters)
-        model = WanTransformer3DModel(**config)
-    keep = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
-    with torch.no_grad():  # bf16, except the tensors diffusers keeps in fp32 when loading with torch_dtype=bf16
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if tensor.is_floating_point():
-                fp32 = any(k in name.split(".") for k in keep)
-                tensor.data = tensor.data.to(torch.float32 if fp32 else torch.bfloat16)
-    return model.eval()
+build_wan = bf16_wan
 
 
 class Workload:

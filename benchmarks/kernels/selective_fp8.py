@@ -76,6 +76,7 @@ from worldfoundry.bench.microbench import (  # noqa: E402 - shared benchmark hel
     WAN_1_3B,
     WAN_TINY,
     WORKLOADS,
+    bf16_wan,
     interleaved,
     rel_l2,
 )
@@ -211,19 +212,7 @@ def linear_bench(device: torch.device, args: argparse.Namespace) -> list[dict[st
     return [_linear_case(device, args, m, k, n, ao, ao_reason) for m in rows for k, n in dims]
 
 
-def build_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = WanTransformer3DModel(**config)
-    keep = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
-    with torch.no_grad():  # bf16, except the tensors diffusers keeps in fp32 when loading with torch_dtype=bf16
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if tensor.is_floating_point():
-                fp32 = any(k in name.split(".") for k in keep)
-                tensor.data = tensor.data.to(torch.float32 if fp32 else torch.bfloat16)
-    return model.eval()
+build_wan = bf16_wan
 
 
 PLUGIN_VARIANTS = {"selective_fp8": True, "selective_fp8 per-Linear": False}  # name -> fuse_gelu

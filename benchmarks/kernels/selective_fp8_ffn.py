@@ -27,7 +27,7 @@ from worldfoundry_selective_fp8.plugin import prepare
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
     install_diffusion_accelerations,
 )
-from worldfoundry.bench.microbench import interleaved, rel_l2, sync
+from worldfoundry.bench.microbench import Region, interleaved, rel_l2, sync
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.kernels.dispatch import (
     gelu_quantize_activations_rowwise_fp8,
@@ -88,12 +88,9 @@ def graph_ms(fn: Callable[[], Any], iters: int = 20, reps: int = 5) -> float | N
     torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
+        with Region(torch.device("cuda"), sync_before=False) as region:
+            graph.replay()
+        samples.append(region.device_ms / iters)
     del graph
     return statistics.median(samples)
 

@@ -44,14 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from worldfoundry.bench.microbench import Region, count_host_syncs
 
 WORKLOADS = {"W17": (17, 320, 576), "W81": (81, 480, 832)}
 SMOKE_WORKLOADS = {"S5": (5, 32, 32), "S9": (9, 32, 48)}
@@ -74,33 +75,9 @@ class Timer:
 
     @contextlib.contextmanager
     def measure(self, sink: list[float]) -> Iterator[None]:
-        self.sync()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with Region(self.device) as region:
             yield
-            end.record()
-            end.synchronize()
-            sink.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            sink.append((time.perf_counter() - t0) * 1000.0)
-
-
-def count_host_syncs(device: torch.device, fn: Callable[[], Any]) -> int | None:
-    """Synchronising CUDA calls made by ``fn`` (torch's sync debug mode), ``None`` on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+        sink.append(region.device_ms)
 
 
 # ------------------------------------------------------------------------------------------------ models

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from worldfoundry.bench.microbench import Region
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))
 
 from resident_blocks import (  # benchmark helpers, same directory tree
@@ -58,21 +60,9 @@ def _sync(device: torch.device) -> None:
 
 
 def time_forward(model: torch.nn.Module, inputs: dict[str, Any], device: torch.device) -> dict[str, float]:
-    _sync(device)
-    cuda = device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    forward(model, inputs)
-    t1 = time.perf_counter()
-    if cuda:
-        end.record()
-    _sync(device)
-    t2 = time.perf_counter()
-    row = {"enqueue_ms": (t1 - t0) * 1e3, "wall_ms": (t2 - t0) * 1e3}
-    row["gpu_ms"] = start.elapsed_time(end) if cuda else row["wall_ms"]
-    return row
+    with Region(device) as region:
+        forward(model, inputs)
+    return {"enqueue_ms": region.enqueue_ms, "wall_ms": region.wall_ms, "gpu_ms": region.device_ms}
 
 
 def profile_forward(model: torch.nn.Module, inputs: dict[str, Any], device: torch.device, top: int) -> list[str]:
@@ -145,14 +135,9 @@ def dma_probe(model: torch.nn.Module, inputs: dict[str, Any], device: torch.devi
         return (time.perf_counter() - t0) * 1e3
 
     def compute_stream_forward() -> tuple[float, float]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        forward(model, inputs)
-        enqueue = (time.perf_counter() - t0) * 1e3
-        end.record()
-        end.synchronize()  # the forward only, not the background copies
-        return enqueue, start.elapsed_time(end)
+        with Region(device, sync_before=False) as region:  # the end event: the forward only, not the copies
+            forward(model, inputs)
+        return region.enqueue_ms, region.device_ms
 
     out: dict[str, list[float]] = {k: [] for k in (
         "forward_enqueue_ms", "forward_gpu_ms", "forward_enqueue_ms_with_dma", "forward_gpu_ms_with_dma",

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from worldfoundry.cli.main import COMMANDS, main
-from worldfoundry.core.offload.estimator import (
+from worldfoundry_resident_blocks.residency_files import (
     CONFIG_FILENAME,
     REPORT_JSON_FILENAME,
     REPORT_MD_FILENAME,

@@ -31,3 +31,14 @@ def test_python_examples_run(page, monkeypatch, capsys):
     else:
         assert "{'blocks.0.ffn.net.2': {'fp32_linear': 1}, 'blocks.1.ffn.net.2': {'fp32_linear': 1}} []" in out
         assert "('example_gelu_tanh',)" in out
+        printed = re.search(r"^prints\n\n```text\n(.*?)^```", (DOCS / page).read_text(), re.S | re.M).group(1)
+        assert printed in out  # the output the page shows is the output the example gives
+
+
+def test_plugin_page_excerpts_are_the_example_distribution() -> None:
+    """Every ``py`` block of plugins.md headed by a file path stands in that file verbatim."""
+    root = DOCS.parent
+    excerpts = re.findall(r"^```py\n# (\S+)\n(.*?)^```", (DOCS / "plugins.md").read_text(), re.S | re.M)
+    assert len(excerpts) >= 6
+    for path, text in excerpts:
+        assert text in (root / path).read_text(), f"plugins.md quotes {path} but the file no longer says:\n{text}"

@@ -4,6 +4,7 @@ interleaved paired timing -> verdict; finally results.json, report.md and plots.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 from worldfoundry.bench.candidates import Candidate, CandidateFile
 from worldfoundry.bench.execution import prove_execution
 from worldfoundry.bench.metrics import quality, relative_l2, within_budget
+from worldfoundry.bench.preflight import ModelChoice, check_workload, resolve_model
 from worldfoundry.bench.provenance import (
     GpuSharingMonitor,
     artifact_paths,
@@ -24,7 +26,7 @@ from worldfoundry.bench.provenance import (
     tree_stats,
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
-from worldfoundry.bench.stats import decide, summarize_speed
+from worldfoundry.bench.stats import decide
 from worldfoundry.bench.timing import (
     TimingPolicy,
     bound_violation,
@@ -35,11 +37,11 @@ from worldfoundry.bench.timing import (
     timed_generate,
 )
 from worldfoundry.bench.unavailable import insert_rows, load_available
-from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
+from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline, resolve_recipe
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.core.model_loading.recipes import project_root, recipe_dirs
-from worldfoundry.errors import WorldFoundryError
+from worldfoundry.errors import BenchArgumentError, WorldFoundryError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ class BenchConfig:
     time_budget_s: float = 60.0
     max_noise_floor: float = 1.05
     peers: list[str] | None = None
+    #: an explicit recipe file (``--recipe-file``); exclusive with ``model``.
+    recipe_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,33 +107,71 @@ class _Runner:
         return self.pipe.generate(self.request(seed, tag, decode=decode))
 
 
-def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None) -> dict[str, Any]:
-    """Run a benchmark and write its outputs to ``config.out``. Returns the results mapping.
+@dataclass(frozen=True)
+class BenchPlan:
+    """A validated run: the candidate file, the chosen recipe, seeds and rounds. Building it loads nothing."""
+
+    candidates_path: str
+    cfile: CandidateFile
+    choice: ModelChoice
+    seeds: list[int]
+    rounds: int
+    #: ``(index, row)`` of candidates naming accelerations that are not installed (``rejected_at_install`` rows).
+    unavailable: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+
+
+def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
+               announce: Callable[[str], None] | None = None) -> BenchPlan:
+    """Validate everything a run needs — candidate file, recipe, workload against the recipe, CLI values — without
+    building a model or creating ``config.out``.
 
     Raises:
-        CandidateSchemaError: the candidate file is invalid (nothing was loaded).
-        DirtyTreeError: ``require_clean`` and the checkout is dirty.
+        CandidateSchemaError: the candidate file or the workload is invalid (with its JSON path).
+        BenchArgumentError: contradictory or out-of-range arguments.
+        UnknownRecipeError / RecipeError / InputFileError: the recipe cannot be used.
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
     candidates_path = config.candidates or str(default_candidates_path())
-    cfile, unavailable = load_available(candidates_path, registry=registry)  # validated before loading anything
-    model = config.model or cfile.model or DEFAULT_MODEL
-    seeds = list(config.seeds or cfile.seeds)
+    cfile, unavailable = load_available(candidates_path, registry=registry)
+    choice = resolve_model(config.model, config.recipe_file, cfile, DEFAULT_MODEL, announce)
+    check_workload(cfile.workload, resolve_recipe(choice.model)[0], cli_seeds=config.seeds)
     rounds = int(config.rounds or cfile.rounds or 3)
-    if rounds < 3 and not config.quality_only:
-        raise ValueError(f"rounds: at least 3 interleaved paired rounds are required, got {rounds}")
+    if not config.quality_only and not 3 <= rounds <= 10_000:
+        raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
+    return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds, unavailable)
+
+
+def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
+              announce: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run a benchmark and write its outputs to ``config.out``. Returns the results mapping.
+
+    Everything is validated by :func:`plan_bench` before any model is built and before ``config.out`` is created.
+
+    Args:
+        announce: called with a one-line message before a recipe file named by a path is read (the CLI prints it).
+
+    Raises:
+        CandidateSchemaError: the candidate file or the workload is invalid (nothing was loaded or created).
+        BenchArgumentError: contradictory or out-of-range arguments.
+        DirtyTreeError: ``require_clean`` and the checkout is dirty.
+    """
+    registry = registry if registry is not None else diffusion_acceleration_registry()
+    plan = plan_bench(config, registry=registry, announce=announce)
+    candidates_path, cfile, model, seeds, rounds = (plan.candidates_path, plan.cfile, plan.choice.model, plan.seeds,
+                                                    plan.rounds)
+    _timing_policy(config, rounds)  # bad timing options fail here, before a model is built
     git = git_state(project_root())
     if git.get("dirty") and config.require_clean:
         raise DirtyTreeError(f"the checkout has uncommitted changes ({git['changed'][:5]}); commit them or drop "
                              "--require-clean")
+    policy = RuntimePolicy(device=config.device, dtype=config.dtype)
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy = RuntimePolicy(device=config.device, dtype=config.dtype)
     pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
                                                    random_weights=config.random_weights, registry=registry)
     try:
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
-        insert_rows(results["candidates"], unavailable)
+        insert_rows(results["candidates"], plan.unavailable)
     finally:
         pipe.close()
         config.extra.pop("_timing_policy", None)

@@ -1,14 +1,18 @@
 """Shared pieces of the GPU micro-benchmarks under ``benchmarks/``: standard workloads, synchronised timing and
-interleaved rounds with paired ratios."""
+interleaved rounds with paired ratios.
+
+The timing primitives (:func:`time_ms`, :class:`Region`, :func:`time_calls`, :func:`timing_events`, :func:`sync`)
+live in :mod:`worldfoundry.core.timing` and are re-exported here for the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
+
+from worldfoundry.core.timing import Region, count_host_syncs, sync, time_calls, time_ms, timing_events
 
 #: Wan2.1-T2V-1.3B transformer config (the W17/W81 architecture) and a tiny variant for CPU smoke runs.
 WAN_1_3B: Final[dict[str, Any]] = dict(
@@ -21,28 +25,6 @@ WAN_TINY: Final[dict[str, Any]] = dict(WAN_1_3B, num_attention_heads=2, attentio
 WORKLOADS: Final[dict[str, tuple[int, int, int]]] = {"W17": (5, 40, 72), "W81": (21, 60, 104)}
 SMOKE_WORKLOADS: Final[dict[str, tuple[int, int, int]]] = {"W17": (2, 8, 8), "W81": (3, 8, 12)}
 RANDOM_NOTE: Final = "random seeded weights: relative L2 describes these weights only, not visual quality"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Mean milliseconds per call over ``iters`` back-to-back calls (CUDA events on the GPU)."""
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int, iters: int,
@@ -71,6 +53,23 @@ def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, ro
     return out
 
 
+def bf16_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A seeded ``WanTransformer3DModel`` built on ``device`` in bfloat16, except the tensors diffusers keeps in
+    float32 when loading with ``torch_dtype=bfloat16`` (``_keep_in_fp32_modules``); eval mode."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device (fast for 1.3B parameters)
+        model = WanTransformer3DModel(**config)
+    keep = list(getattr(type(model), "_keep_in_fp32_modules", None) or [])
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point():
+                fp32 = any(k in name.split(".") for k in keep)
+                tensor.data = tensor.data.to(torch.float32 if fp32 else torch.bfloat16)
+    return model.eval()
+
+
 def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
     """``||test - ref|| / ||ref||`` in float64."""
     t, r = test.double(), ref.double()
@@ -94,3 +93,22 @@ def provenance(device: torch.device, *, extra_packages: tuple[str, ...] = (), **
             env[name] = None
     git = git_state(project_root())
     return {"git_revision": git["revision"], "git_dirty": git["dirty"], **env, **fields}
+
+
+__all__ = [
+    "RANDOM_NOTE",
+    "SMOKE_WORKLOADS",
+    "WAN_1_3B",
+    "WAN_TINY",
+    "WORKLOADS",
+    "Region",
+    "bf16_wan",
+    "count_host_syncs",
+    "interleaved",
+    "provenance",
+    "rel_l2",
+    "sync",
+    "time_calls",
+    "time_ms",
+    "timing_events",
+]

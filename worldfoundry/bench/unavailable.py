@@ -9,15 +9,21 @@ rest of the file is validated as usual; a file in which no candidate can run is 
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from worldfoundry.bench.candidates import CandidateFile, load_candidates, parse_candidates
+from worldfoundry.bench.candidates import (
+    MAX_CANDIDATE_FILE_BYTES,
+    MAX_DEPTH,
+    CandidateFile,
+    load_candidates,
+    parse_candidates,
+)
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.errors import CandidateSchemaError
+from worldfoundry.core.model_loading.input_files import parse_json_bytes, read_input_bytes
+from worldfoundry.errors import CandidateSchemaError, InputFileError, JsonInputError
 
 
 def _why(name: str, registry: AccelerationRegistry) -> str:
@@ -39,13 +45,15 @@ def load_available(path: str | os.PathLike[str], *, registry: AccelerationRegist
     Raises:
         CandidateSchemaError: the file is invalid, or no candidate names only known accelerations.
     """
-    try:
-        data = json.loads(Path(os.fspath(path)).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    file = os.fspath(path)
+    try:  # the same strict reading as load_candidates
+        data = parse_json_bytes(read_input_bytes(file, what="candidate file", max_bytes=MAX_CANDIDATE_FILE_BYTES),
+                                source=file, max_depth=MAX_DEPTH)
+    except (InputFileError, JsonInputError):
         return load_candidates(path, registry=registry), []  # raises the usual, path-naming error
     cands = data.get("candidates") if isinstance(data, Mapping) else None
     if not isinstance(cands, list):
-        return parse_candidates(data, registry=registry, source=str(path)), []
+        return parse_candidates(data, registry=registry, source=file), []
     known = set(registry.names())
     keep, rows = [], []
     for i, cand in enumerate(cands):
@@ -59,8 +67,8 @@ def load_available(path: str | os.PathLike[str], *, registry: AccelerationRegist
             keep.append(cand)
     if rows and not keep:
         raise CandidateSchemaError("candidates", "no candidate can run here: " + rows[0][1]["error"])
-    cfile = parse_candidates({**data, "candidates": keep}, registry=registry, source=str(path))
-    return cfile, rows
+    cfile = parse_candidates({**data, "candidates": keep}, registry=registry, source=file)
+    return dataclasses.replace(cfile, raw=dict(data)), rows
 
 
 def insert_rows(records: list[dict[str, Any]], rows: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -7,13 +7,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
+
+from worldfoundry.cli.checks import (
+    check_device,
+    check_input_dir,
+    check_input_file,
+    check_output_dir,
+    remove_if_created_and_empty,
+    usage_error,
+)
+from worldfoundry.errors import CommandLineError
+
+#: The model benchmarked when neither ``--model`` nor the candidate file names one (``harness.DEFAULT_MODEL``;
+#: repeated here so ``--help`` does not import the harness).
+DEFAULT_MODEL = "tiny-wan2.1-trained"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="recipe name (default: the candidate file's, else tiny-wan2.1)")
+    p.add_argument("--model", default=None, help=f"recipe name (default: the candidate file's, else {DEFAULT_MODEL})")
     p.add_argument("--checkpoint-dir", default=None, help="local diffusers-format directory")
     p.add_argument("--candidates", default=None, help="candidate JSON (default recipes/candidates/default.json)")
+    p.add_argument("--recipe-file", default=None, metavar="PATH",
+                   help="an explicit recipe YAML file (recipes are never looked up in the working directory)")
     p.add_argument("--out", default="bench_out", help="output directory (results.json, report.md, PNG plots)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bf16, fp16)")
@@ -45,7 +62,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Argument mistakes, found before anything is loaded or created.
+
+    Raises:
+        CommandLineError: unusable ``--device``, ``--out`` that is a file, missing ``--candidates`` or
+            ``--checkpoint-dir``.
+    """
+    check_device(args.device)
+    check_output_dir(args.out)
+    check_input_file(args.candidates, "--candidates")
+    check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_arguments(args)
+    except CommandLineError as exc:
+        return usage_error("bench", exc)
+    out = Path(args.out)
+    existed = out.exists()
+    rc = 1
+    try:
+        rc = _run(args)
+    finally:
+        if rc != 0:
+            remove_if_created_and_empty(out, existed)  # a failed run leaves no empty output directory
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     from worldfoundry.bench.harness import BenchConfig, run_bench
     from worldfoundry.bench.report import render_table
     from worldfoundry.errors import WorldFoundryError
@@ -54,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, candidates=args.candidates, out=args.out, checkpoint_dir=args.checkpoint_dir,
         device=args.device, dtype=args.dtype, rounds=args.rounds, seeds=args.seeds, quality_only=args.quality_only,
         random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
+        recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
         max_noise_floor=args.max_noise_floor,
         peers=(list(args.peers) or ["all"]) if args.peers is not None else None,
     )
     try:
-        results = run_bench(config)
+        results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))
     except (WorldFoundryError, ValueError) as exc:
         print(f"worldfoundry bench: {exc}", file=sys.stderr)
         return 2

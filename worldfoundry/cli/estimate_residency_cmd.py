@@ -12,10 +12,14 @@ writes ``save_results/resident_blocks_config.json`` (pass it as
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+from worldfoundry.cli.checks import check_device, check_input_dir, check_input_file, check_output_dir, usage_error
 
 DEFAULT_OUT = "save_results"
 
@@ -59,13 +63,69 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _recipe_defaults(recipe: str) -> tuple[dict[str, Any], bool]:
-    try:
-        from worldfoundry.core.model_loading.recipes import load_recipe
+    """``(defaults, offline)`` of a recipe; a diffusers ``config.json`` has none.
 
-        loaded = load_recipe(recipe)
-    except Exception:  # a config.json or an unknown recipe: no defaults
+    Raises:
+        UnknownRecipeError / RecipeError: not a config.json and not a readable recipe.
+    """
+    path = Path(recipe)
+    if path.suffix == ".json":
+        check_input_file(path, "--recipe")
         return {}, False
+    from worldfoundry.core.model_loading.recipes import load_recipe
+
+    loaded = load_recipe(recipe)
     return dict(loaded.defaults), bool(loaded.offline)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Argument mistakes, found before anything is built or measured.
+
+    Raises:
+        CommandLineError: unusable ``--device``, ``--out`` that is a file, a missing ``--checkpoint-dir``.
+    """
+    check_device(args.device)
+    check_output_dir(args.out)
+    check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
+
+
+def _workload(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, int, int], bool]:
+    """``(device, dtype, (frames, height, width), offline)`` from the arguments and the recipe's defaults."""
+    import torch
+
+    from worldfoundry.core.model_loading.policy import parse_device, parse_dtype
+
+    if not 0.0 < args.copy_utilisation <= 1.0:
+        raise ValueError(f"--copy-utilisation must be in (0, 1], got {args.copy_utilisation}")
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here (use --device cpu for the emulated mode)")
+    defaults, offline = _recipe_defaults(args.recipe)
+    frames = args.frames or defaults.get("num_frames")
+    height = args.height or defaults.get("height")
+    width = args.width or defaults.get("width")
+    if not (frames and height and width):
+        raise ValueError(f"--frames, --height and --width are required: recipe {args.recipe!r} has no defaults "
+                         "for them")
+    return device, parse_dtype(args.dtype), (frames, height, width), offline
+
+
+def _time_transfer(block: Any, args: argparse.Namespace, device: Any) -> tuple[Any, dict[str, Any]]:
+    """The block's host-to-device copy time in the chosen layout, and what the copy was."""
+    from worldfoundry.core.offload.host_storage import HostBlockStorage
+    from worldfoundry.core.offload.layout import BlockLayout
+    from worldfoundry.core.offload.measure import time_block_transfer
+
+    named = list(block.named_parameters())
+    storage = HostBlockStorage.from_tensors(BlockLayout.from_tensors(named), [p for _, p in named],
+                                            contiguous=args.contiguous, pin=device.type == "cuda", device=device)
+    try:
+        transfer = time_block_transfer(storage, device=device, warmup=args.warmup, samples=args.samples)
+        copy = {"block_bytes": storage.nbytes, "copies_per_block": storage.copies_per_load,
+                "pinned": storage.pin_method}
+    finally:
+        storage.release()
+    return transfer, copy
 
 
 def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -75,88 +135,47 @@ def measure(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         WorldFoundryError: bad recipe, missing weights or an unsupported family.
         ValueError: bad sizes or counts.
     """
-    if not 0.0 < args.copy_utilisation <= 1.0:
-        raise ValueError(f"--copy-utilisation must be in (0, 1], got {args.copy_utilisation}")
+    check_arguments(args)
+    _recipe_defaults(args.recipe)  # an unknown recipe is named before any size check
     import diffusers
     import torch
+    from worldfoundry_resident_blocks.residency_files import write_estimate
 
-    from worldfoundry.core.model_loading.policy import (
-        dtype_name,
-        parse_device,
-        parse_dtype,
-    )
-    from worldfoundry.core.offload.block_probe import (
-        build_probe_block,
-        build_probe_inputs,
-        resolve_dit_source,
-    )
-    from worldfoundry.core.offload.estimator import estimate_residency, write_estimate
-    from worldfoundry.core.offload.host_storage import HostBlockStorage
-    from worldfoundry.core.offload.layout import BlockLayout
-    from worldfoundry.core.offload.measure import (
-        time_block_compute,
-        time_block_transfer,
-    )
+    from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
+    from worldfoundry.core.model_loading.policy import dtype_name
+    from worldfoundry.core.offload.block_probe import build_probe_block, build_probe_inputs, resolve_dit_source
+    from worldfoundry.core.offload.estimator import estimate_residency
+    from worldfoundry.core.offload.measure import time_block_compute
 
-    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available here (use --device cpu for the emulated mode)")
-    dtype = parse_dtype(args.dtype)
-    defaults, offline = _recipe_defaults(args.recipe)
-    frames = args.frames or defaults.get("num_frames")
-    height = args.height or defaults.get("height")
-    width = args.width or defaults.get("width")
-    if not (frames and height and width):
-        raise ValueError("--frames, --height and --width are required (the recipe has no defaults for them)")
+    device, dtype, (frames, height, width), offline = _workload(args)
     source = resolve_dit_source(args.recipe, args.checkpoint_dir)
     random_weights = args.random_weights or (offline and args.checkpoint_dir is None)
-    probe = build_probe_block(source, device=device, dtype=dtype, random_weights=random_weights,
-                              index=args.block_index, seed=args.seed)
+    probe = build_probe_block(source, family_of=functools.partial(family_of, plugin="estimate-residency"),
+                              device=device, dtype=dtype, random_weights=random_weights, index=args.block_index,
+                              seed=args.seed)
     inputs = build_probe_inputs(probe, frames=frames, height=height, width=width, device=device, dtype=dtype,
                                 sequence_length=args.sequence_length, seed=args.seed)
     compute = time_block_compute(probe.block, inputs.make, device=device, warmup=args.warmup, samples=args.samples)
-    named = list(probe.block.named_parameters())
-    layout = BlockLayout.from_tensors(named)
-    storage = HostBlockStorage.from_tensors(layout, [p for _, p in named], contiguous=args.contiguous,
-                                            pin=device.type == "cuda", device=device)
-    transfer = time_block_transfer(storage, device=device, warmup=args.warmup, samples=args.samples)
-    copy_bytes, copies, pinned = storage.nbytes, storage.copies_per_load, storage.pin_method
-    storage.release()
+    transfer, copy = _time_transfer(probe.block, args, device)
     emulated = device.type != "cuda"
     context = {
-        "recipe": args.recipe,
-        "config_source": source.origin,
-        "model_class": probe.model_class.__name__,
-        "family": probe.family,
-        "device": str(device),
+        "recipe": args.recipe, "config_source": source.origin, "model_class": probe.model_class.__name__,
+        "family": probe.family, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if not emulated else "cpu (emulated)",
-        "emulated": emulated,
-        "dtype": dtype_name(dtype),
-        "weights": probe.weights,
-        "block_path": probe.path,
-        "block_bytes": copy_bytes,
-        "frames": frames,
-        "height": height,
-        "width": width,
-        "tokens": inputs.tokens,
-        "input_shapes": dict(inputs.shapes),
-        "compute": compute.to_json(),
+        "emulated": emulated, "dtype": dtype_name(dtype), "weights": probe.weights, "block_path": probe.path,
+        "block_bytes": copy["block_bytes"], "frames": frames, "height": height, "width": width,
+        "tokens": inputs.tokens, "input_shapes": dict(inputs.shapes), "compute": compute.to_json(),
         "transfer": transfer.to_json(),
-        "transfer_gb_per_s": round(copy_bytes / (transfer.median_ms * 1e6), 2) if transfer.median_ms > 0 else None,
-        "copies_per_block": copies,
-        "pinned": pinned,
-        "warmup": args.warmup,
-        "samples": args.samples,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
+        "transfer_gb_per_s": (round(copy["block_bytes"] / (transfer.median_ms * 1e6), 2)
+                              if transfer.median_ms > 0 else None),
+        "copies_per_block": copy["copies_per_block"], "pinned": copy["pinned"], "warmup": args.warmup,
+        "samples": args.samples, "torch": torch.__version__, "diffusers": diffusers.__version__,
         "created_at": datetime.now(timezone.utc).isoformat(),
     }
     estimate = estimate_residency(probe.num_blocks, compute.median_ms, transfer.median_ms,
                                   contiguous=args.contiguous, context=context,
-                                  copy_utilisation=args.copy_utilisation,
-                                  rule=getattr(args, "rule", "schedule"))
-    paths = write_estimate(estimate, args.out)
-    return estimate, paths
+                                  copy_utilisation=args.copy_utilisation, rule=getattr(args, "rule", "schedule"))
+    return estimate, write_estimate(estimate, args.out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         estimate, paths = measure(args)
     except (WorldFoundryError, ValueError, OSError) as exc:
-        print(f"worldfoundry estimate-residency: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("estimate-residency", exc)
     report = estimate.to_report()
     print(f"device {report['device_name']} ({report['device']}), dtype {report['dtype']}, layout {report['layout']}, "
           f"{report['tokens']} tokens")

@@ -8,7 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from worldfoundry.cli.checks import (
+    check_device,
+    check_input_dir,
+    check_input_file,
+    check_output_file,
+    usage_error,
+)
+from worldfoundry.errors import CommandLineError, WorldFoundryError
+
 DEFAULT_RECIPE = "tiny-wan2.1-trained"
+#: Output suffixes: an MP4 video, or the final latents and receipts (``torch.save``).
+OUTPUT_SUFFIXES = (".mp4", ".pt")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,25 +47,69 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def check_arguments(args: argparse.Namespace) -> tuple[dict[str, Any] | None, Any]:
+    """Every argument mistake, found before the model is loaded. Returns ``(accelerations, image)``.
+
+    Raises:
+        CommandLineError: bad ``--accelerations`` JSON, unusable ``--device``, ``--out`` that is a directory or
+            has another suffix than .mp4/.pt, MP4 output without imageio-ffmpeg, a missing ``--image``,
+            ``--bundle`` or ``--checkpoint-dir``, or an image-to-video / bundle recipe without its input.
+        UnknownRecipeError / RecipeError: the recipe cannot be read.
+    """
+    try:
+        accelerations = json.loads(args.accelerations) if args.accelerations else None
+    except json.JSONDecodeError as exc:
+        raise CommandLineError("--accelerations", f"not valid JSON: {exc}") from None
+    if accelerations is not None and not isinstance(accelerations, dict):
+        raise CommandLineError("--accelerations", "must be a JSON object, e.g. '{\"easycache\": {}}'")
+    check_device(args.device)
+    check_output_file(args.out, suffixes=OUTPUT_SUFFIXES)
+    if Path(args.out).suffix.lower() == ".mp4":
+        from worldfoundry.base_models.diffusion_model.video_io import MP4_PACKAGE, mp4_unavailable_reason
+
+        reason = mp4_unavailable_reason()
+        if reason is not None:
+            raise CommandLineError("--out", f"MP4 output needs {MP4_PACKAGE} ({reason}): pip install {MP4_PACKAGE}, "
+                                            "or write latents with --out NAME.pt")
+    check_input_file(args.image, "--image")
+    check_input_dir(args.bundle, "--bundle", "MiniMax-H3 conditioning bundle directory")
+    check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
+    from worldfoundry.core.model_loading.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    if recipe.mode == "i2v" and args.image is None:
+        raise CommandLineError("--image", f"recipe {recipe.name!r} is image-to-video; pass --image FIRST_FRAME.png")
+    if recipe.mode == "session" and args.bundle is None:
+        raise CommandLineError("--bundle", f"recipe {recipe.name!r} runs from a conditioning bundle; pass --bundle DIR")
+    return accelerations, _read_image(args.image)
+
+
+def _read_image(path: str | None) -> Any:
+    if path is None:
+        return None
+    import imageio.v3 as iio
+
+    try:
+        image = iio.imread(path)
+    except Exception as exc:  # any decoder failure: the file is not an image we can read
+        raise CommandLineError("--image", f"{path}: cannot be read as an image ({type(exc).__name__}: {exc})") from None
+    if image.ndim != 3 or image.shape[-1] not in (3, 4):
+        raise CommandLineError("--image", f"{path}: expected an RGB or RGBA image, got shape {tuple(image.shape)}")
+    return image[..., :3]
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        accelerations, image = check_arguments(args)
+    except (WorldFoundryError, ValueError) as exc:
+        return usage_error("generate", exc)
     import torch
 
     from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
     from worldfoundry.core.model_loading.policy import RuntimePolicy
-    from worldfoundry.errors import WorldFoundryError
 
-    try:
-        accelerations = json.loads(args.accelerations) if args.accelerations else None
-    except json.JSONDecodeError as exc:
-        print(f"--accelerations: not valid JSON: {exc}", file=sys.stderr)
-        return 2
     out = Path(args.out)
-    latent_only = out.suffix == ".pt"
-    image = None
-    if args.image:
-        import imageio.v3 as iio
-
-        image = iio.imread(args.image)[..., :3]
+    latent_only = out.suffix.lower() == ".pt"
     try:
         policy = RuntimePolicy(device=args.device, dtype=args.dtype, options={"progress": not args.no_progress})
         with NativeDiffusionPipeline.from_pretrained(args.recipe, policy=policy, accelerations=accelerations,
@@ -68,8 +123,7 @@ def run(args: argparse.Namespace) -> int:
             )
             result = pipe.generate(request)
     except WorldFoundryError as exc:
-        print(f"worldfoundry generate: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("generate", exc)
     if latent_only:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"latents": result.latents.cpu(), "receipts": result.receipts}, out)

@@ -80,7 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args) or 0)
+    from worldfoundry.errors import WorldFoundryError
+
+    try:
+        return int(func(args) or 0)
+    except WorldFoundryError as exc:  # a typed error is the whole message: no traceback for a CLI user
+        logger.debug("%s failed", args.command, exc_info=True)
+        print(f"worldfoundry {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

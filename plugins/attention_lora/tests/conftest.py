@@ -14,77 +14,30 @@ import pytest
 import torch
 import torch.nn as nn
 
-TINY_H3_CONFIG: dict[str, Any] = dict(
-    num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2, num_refiner_layers=1, ffn_dim=96,
-    in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=32, freq_dim=32, time_embed_hidden_dim=48,
-    time_embed_dim=24, rope_freq_dim=4,
-)
-TINY_WAN_CONFIG: dict[str, Any] = dict(
-    num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
-    ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-)
+from worldfoundry import testing
 
-
-def _randomize(model: nn.Module, seed: int) -> nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.1)
-    return model.eval()
+TINY_H3_CONFIG: dict[str, Any] = dict(testing.MINIMAX_H3_TINY)
+TINY_WAN_CONFIG: dict[str, Any] = dict(testing.WAN_TINY)
 
 
 def build_h3(seed: int = 0, **overrides: Any) -> nn.Module:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    return _randomize(MiniMaxH3Transformer3DModel(**{**TINY_H3_CONFIG, **overrides}), seed)
+    return testing.tiny_minimax_h3(seed, weight_scale=0.1, weight_seed=seed, **overrides)
 
 
 def build_wan(seed: int = 0, **overrides: Any) -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    return _randomize(WanTransformer3DModel(**{**TINY_WAN_CONFIG, **overrides}), seed)
+    return testing.tiny_wan(seed, weight_scale=0.1, weight_seed=seed, **overrides)
 
 
 def h3_inputs(model: nn.Module, seed: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A packed sequence: 3 text rows, 8 video rows (2 frames of 2×2 patches), 2 audio rows."""
-    cfg = model.config
-    g = torch.Generator().manual_seed(seed)
-    t_rows, v_rows, a_rows = 3, 8, 2
-    s = t_rows + v_rows + a_rows
-    patch = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
-    frame = torch.arange(2).repeat_interleave(4)
-    pos = torch.cat([
-        torch.stack([torch.zeros(t_rows), torch.zeros(t_rows), torch.arange(t_rows)], 1),
-        torch.stack([frame, torch.arange(2).repeat_interleave(2).repeat(2), torch.arange(2).repeat(4)], 1).float(),
-        torch.stack([torch.arange(a_rows), torch.zeros(a_rows), torch.zeros(a_rows)], 1),
-    ]).long()
-    return {
-        "hidden_states": torch.randn(1, v_rows, patch, generator=g).to(dtype),
-        "audio_hidden_states": torch.randn(1, a_rows, cfg.audio_in_channels, generator=g).to(dtype),
-        "encoder_hidden_states": torch.randn(1, t_rows, cfg.text_dim, generator=g).to(dtype),
-        "timestep": torch.tensor([0.6]),
-        "timestep_indices": torch.zeros(s, dtype=torch.long),
-        "token_tags": torch.cat([torch.ones(t_rows), torch.zeros(v_rows), torch.full((a_rows,), 2.0)]).long(),
-        "position_ids": pos,
-        "video_indices": torch.arange(t_rows, t_rows + v_rows),
-        "audio_indices": torch.arange(t_rows + v_rows, s),
-        "text_indices": torch.arange(t_rows),
-    }
+    return testing.minimax_h3_inputs(model, seed, dtype=dtype)
 
 
 def wan_inputs(seed: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 16, 1, 4, 4, generator=g).to(dtype),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g).to(dtype),
-    }
+    return testing.wan_inputs(seed=seed, dtype=dtype)
 
 
-def run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs, return_dict=False)[0]
+run = testing.run_model
 
 
 @dataclass

@@ -12,6 +12,7 @@ from worldfoundry_attention_lora import (
 )
 from worldfoundry_attention_lora.source import state_dict_source
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
@@ -97,11 +98,9 @@ def test_existing_peft_adapter_is_refused(tools) -> None:
 
 
 def test_unsupported_family_is_refused(tools) -> None:
-    from diffusers import SanaVideoTransformer3DModel
-
-    model = SanaVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                        num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
-                                        cross_attention_dim=16, caption_channels=8, sample_size=4).eval()
+    model = testing.tiny_sana_video(in_channels=4, out_channels=4, attention_head_dim=8, num_layers=1,
+                                    cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=8,
+                                    sample_size=4)
     with pytest.raises(AccelerationRefusedError, match="sana_video"):
         with apply_dit_attention_lora(model, {"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(1, 1)}, rank=1, scale=1.0):
             pytest.fail("the body must not run")

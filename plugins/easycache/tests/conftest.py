@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from diffusers import WanTransformer3DModel
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import (
     RequestGuard,
@@ -46,8 +47,7 @@ def _one_thread():
 
 
 def make_tiny_wan(seed: int = 0, **overrides: Any) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(**{**TINY_WAN, **overrides}).eval()
+    return testing.tiny_wan(seed, weight_scale=None, **{**TINY_WAN, **overrides})
 
 
 @pytest.fixture

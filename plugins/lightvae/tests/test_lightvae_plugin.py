@@ -20,6 +20,7 @@ import torch
 from worldfoundry_lightvae.options import Options
 from worldfoundry_lightvae.plugin import prepare
 
+from worldfoundry import testing
 from worldfoundry.base_models.diffusion_model.codec import (
     install_fp8_encoder,
     load_wan_video_codec,
@@ -256,10 +257,8 @@ def test_quantization_role_conflicts_are_found_before_activation(files):
 
 
 def test_prepare_refuses_other_models(files):
-    from diffusers import WanTransformer3DModel
-
-    tiny_wan = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                     text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=16).eval()
+    tiny_wan = testing.tiny_wan(weight_scale=None, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                                freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=16)
     policy = RuntimePolicy()
     options = {"calibration": str(files["artifact"])}
     with pytest.raises(AccelerationRefusedError, match="not a Wan VAE encoder"):

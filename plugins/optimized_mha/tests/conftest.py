@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from worldfoundry_optimized_mha.plugin import prepare
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 
 
@@ -35,13 +36,8 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def tiny_wan(image: bool = False) -> TinyCase:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
     extra = {"image_dim": 32, "added_kv_proj_dim": 64} if image else {}
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-                                  **extra).eval()
+    model = testing.tiny_wan(0, weight_scale=None, **extra)
 
     def inputs(seed: int) -> dict[str, Any]:
         g = _gen(seed)
@@ -57,13 +53,7 @@ def tiny_wan(image: bool = False) -> TinyCase:
 
 
 def tiny_sana() -> TinyCase:
-    from diffusers import SanaVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    model = SanaVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32,
-                                        num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=32,
-                                        cross_attention_dim=64, caption_channels=32, patch_size=(1, 2, 2),
-                                        sample_size=8, rope_max_seq_len=64).eval()
+    model = testing.tiny_sana_video(0, patch_size=(1, 2, 2), rope_max_seq_len=64)
 
     def inputs(seed: int) -> dict[str, Any]:
         g = _gen(seed)
@@ -78,16 +68,10 @@ def tiny_sana() -> TinyCase:
 
 
 def tiny_h3() -> TinyCase:
-    from diffusers import MiniMaxH3Transformer3DModel
-
     from worldfoundry.base_models.diffusion_model.h3_session import build_random_h3_bundle
 
-    torch.manual_seed(0)
-    config = {"num_attention_heads": 2, "attention_head_dim": 32, "hidden_size": 48, "num_layers": 2,
-              "num_refiner_layers": 1, "ffn_dim": 96, "in_channels": 4, "audio_in_channels": 8,
-              "patch_size": (1, 2, 2), "text_dim": 32, "freq_dim": 32, "time_embed_hidden_dim": 48,
-              "time_embed_dim": 24, "rope_freq_dim": 4}
-    model = MiniMaxH3Transformer3DModel(**config).eval()
+    config = dict(testing.MINIMAX_H3_TINY)
+    model = testing.tiny_minimax_h3(0)
 
     def inputs(seed: int) -> dict[str, Any]:
         b = build_random_h3_bundle(config, seed=seed)

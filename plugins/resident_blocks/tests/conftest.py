@@ -14,6 +14,7 @@ import torch.nn as nn
 from diffusers import MiniMaxH3Transformer3DModel, WanTransformer3DModel
 from worldfoundry_resident_blocks.plugin import prepare
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -40,37 +41,19 @@ def _one_thread() -> Iterator[None]:
 
 def make_tiny_wan(seed: int = 0, **overrides: Any) -> WanTransformer3DModel:
     """A seeded 4-block Wan transformer with non-trivial weights everywhere, in eval mode."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = WanTransformer3DModel(**{**TINY_WAN, **overrides})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.1)
-    return model.eval().requires_grad_(False)
+    return testing.tiny_wan(seed, weight_scale=0.1, **{**TINY_WAN, **overrides}).requires_grad_(False)
 
 
 def wan_inputs(seed: int = 1) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 4, 2, 4, 4, generator=g),
-        "timestep": torch.tensor([700]),
-        "encoder_hidden_states": torch.randn(1, 6, 16, generator=g),
-    }
+    return testing.wan_inputs(TINY_WAN, seed, frames=2, text_tokens=6, timestep=700)
 
 
 def wan_forward(model: nn.Module, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**(inputs or wan_inputs()), return_dict=False)[0]
+    return testing.run_model(model, inputs or wan_inputs())
 
 
 def make_tiny_h3(seed: int = 0) -> MiniMaxH3Transformer3DModel:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = MiniMaxH3Transformer3DModel(**TINY_H3)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.1)
-    return model.eval().requires_grad_(False)
+    return testing.tiny_minimax_h3(seed, weight_scale=0.1, **TINY_H3).requires_grad_(False)
 
 
 def h3_inputs(seed: int = 2) -> dict[str, torch.Tensor]:
@@ -93,8 +76,7 @@ def h3_inputs(seed: int = 2) -> dict[str, torch.Tensor]:
 
 
 def h3_forward(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**h3_inputs(), return_dict=False)[0]
+    return testing.run_model(model, h3_inputs())
 
 
 @pytest.fixture

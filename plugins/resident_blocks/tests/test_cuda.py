@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.offload.pinned import is_page_locked
+from worldfoundry.core.timing import count_host_syncs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,15 +20,7 @@ def _cuda_inputs(tiny) -> dict[str, torch.Tensor]:
 
 
 def _sync_warnings(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return count_host_syncs(torch.device("cuda"), fn)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -44,11 +36,10 @@ def test_cuda_bitwise_pinned_and_no_extra_syncs(tiny, registry, r: int, contiguo
     block = model.blocks[1]
     assert all(p.device.type == "cpu" for p in block.parameters())
     # page-locked: exact-size cudaHostRegister (Tensor.is_pinned() only knows the caching host allocator in
-    # some PyTorch versions), or the caching pinned allocator as the logged fallback
+    # some PyTorch versions; is_page_locked asks CUDA), or the caching pinned allocator as the logged fallback
     engine = handle.engine
     assert engine.pin_method in ("cuda_host_register", "pin_memory") and engine.pinned_bytes >= engine.host_bytes
-    if engine.pin_method == "pin_memory":
-        assert all(p.is_pinned() for p in block.parameters())
+    assert all(is_page_locked(p) for p in block.parameters())
     assert all(p.device.type == "cuda" for p in model.proj_out.parameters())  # non-block weights stay
     guard_outputs = tiny.run_request(model, "warm", steps=1, inputs=inputs)
     assert all(torch.equal(out, reference) for out in guard_outputs)

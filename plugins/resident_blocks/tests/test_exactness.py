@@ -119,7 +119,8 @@ def test_mixed_dtype_blocks_stay_bitwise(tiny, registry) -> None:
 
 
 def test_estimator_config_file_drives_the_plugin(tiny, registry, tmp_path) -> None:
-    from worldfoundry.core.offload.estimator import estimate_residency, write_estimate
+    from worldfoundry.core.offload.estimator import estimate_residency
+    from worldfoundry_resident_blocks.residency_files import write_estimate
 
     estimate = estimate_residency(N, compute_ms=1.0, transfer_ms=2.0, contiguous=True)  # r = N / 2
     paths = write_estimate(estimate, tmp_path)

@@ -128,7 +128,8 @@ def test_unreadable_config_file(tmp_path) -> None:
 
 
 def test_options_class_is_published_for_model_free_validation() -> None:
-    from worldfoundry_resident_blocks.plugin import prepare
+    from worldfoundry.core.acceleration.registry import AccelerationRegistry
 
-    assert prepare.options_class is Options
-    assert prepare.options_class.from_mapping({"offload_resident_blocks": 2}).offload_resident_blocks == 2
+    entry = AccelerationRegistry(discover=True, allowlist=["resident_blocks"]).get("resident_blocks")
+    assert entry.options is Options
+    assert entry.options.from_mapping({"offload_resident_blocks": 2}).offload_resident_blocks == 2

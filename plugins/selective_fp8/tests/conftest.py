@@ -8,45 +8,23 @@ import pytest
 import torch
 import torch.nn as nn
 
-WAN_CONFIG: dict[str, Any] = dict(
-    num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
-    ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-)
+from worldfoundry import testing
+
+WAN_CONFIG: dict[str, Any] = dict(testing.WAN_TINY)
 WAN_FFN_PATHS = ["blocks.0.ffn.net.0.proj", "blocks.0.ffn.net.2", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"]
 
 
 def build_wan(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = WanTransformer3DModel(**WAN_CONFIG)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.05)
-    return model.to(dtype).eval()
+    return testing.tiny_wan(seed, weight_scale=0.05, dtype=dtype, **WAN_CONFIG)
 
 
 def build_sana_video() -> nn.Module:
-    from diffusers import SanaVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    return SanaVideoTransformer3DModel(
-        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
-        num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
-        sample_size=8,
-    ).eval()
+    return testing.tiny_sana_video(0)
 
 
 def build_minimax_h3() -> nn.Module:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    torch.manual_seed(0)
-    return MiniMaxH3Transformer3DModel(
-        num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1,
-        ffn_dim=128, in_channels=8, audio_in_channels=8, text_dim=32, freq_dim=32, time_embed_hidden_dim=64,
-        time_embed_dim=32, rope_freq_dim=8,
-    ).eval()
+    return testing.tiny_minimax_h3(0, hidden_size=64, ffn_dim=128, in_channels=8, time_embed_hidden_dim=64,
+                                   time_embed_dim=32, rope_freq_dim=8, patch_size=(1, 2, 2))
 
 
 def wan_inputs(dtype: torch.dtype = torch.float32, frames: int = 1) -> dict[str, torch.Tensor]:
@@ -59,12 +37,14 @@ def wan_inputs(dtype: torch.dtype = torch.float32, frames: int = 1) -> dict[str,
 
 
 def run_wan(model: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**wan_inputs(dtype), return_dict=False)[0]
+    return testing.run_model(model, wan_inputs(dtype))
 
 
 def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """Module tree, every module's instance attributes and containers (by identity), state dict values, output."""
+    """Module tree, every module's instance attributes and containers (by identity), state dict values, output.
+
+    A dict (the tests drop the root's entry, where the request guard stays by design).
+    """
     tree = []
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: id(v) for k, v in module.__dict__.items()}
@@ -83,6 +63,34 @@ def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert torch.equal(after["output"], before["output"]), "forward output is not bitwise identical"
 
 
+def allow_cpu_fp8(session: Any, handle: Any) -> None:
+    """Let the installed plugin run FP8 on the CPU where this torch build can; skip the calling test elsewhere.
+
+    Whether ``torch._scaled_mm`` has a rowwise CPU kernel depends on the build (CPU builds of torch 2.13 do; the
+    CUDA build of torch 2.11 does not). The runtime asks its capability probe; when the probe says no, every
+    call on the CPU must fall back visibly with the probe's reason and run the dense Linear bitwise, which is
+    checked here before the test is skipped.
+    """
+    from worldfoundry.core.acceleration.context import RequestContext, request_scope
+
+    cpu = torch.device("cpu")
+    verdict = handle.runtime.allow_device(cpu)
+    if verdict is None:
+        return
+    assert verdict.startswith("rowwise torch._scaled_mm"), verdict
+    path, target = next(iter(handle.runtime.targets.items()))
+    linear = target.linear
+    x = torch.randn(4, linear.in_features, dtype=linear.weight.dtype)
+    with torch.no_grad(), request_scope(RequestContext("probe-fallback")):
+        out = linear(x)
+        dense = nn.functional.linear(x, linear.weight, linear.bias)
+    record = session.execution_report()["plugins"]["selective_fp8"]["model"]["requests"]["probe-fallback"]
+    assert record["module_fallbacks"] == {path: {verdict: 1}}
+    assert torch.equal(out, dense)
+    session.uninstall()
+    pytest.skip(f"no FP8 path on this CPU build (visible fallback checked): {verdict}")
+
+
 class Kit:
     """The helpers above, handed to tests as the ``kit`` fixture (conftest modules are not importable)."""
 
@@ -94,6 +102,7 @@ class Kit:
     run_wan = staticmethod(run_wan)
     fingerprint = staticmethod(fingerprint)
     assert_same = staticmethod(assert_same)
+    allow_cpu_fp8 = staticmethod(allow_cpu_fp8)
 
 
 @pytest.fixture

@@ -33,18 +33,19 @@ from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 
-CPU = torch.device("cpu")
 FFNS = ["blocks.0.ffn", "blocks.1.ffn"]
 
 
-def install(model: nn.Module, *, force_fp8: bool = True, **options):
+def install(kit, model: nn.Module, *, force_fp8: bool = True, **options):
+    """Install; with ``force_fp8`` let FP8 run on the CPU where the capability probe passes (elsewhere the
+    visible fallback is checked and the test skipped, see ``conftest.allow_cpu_fp8``)."""
     reg = AccelerationRegistry(discover=False)
     reg.register("selective_fp8", prepare)
     session = install_diffusion_accelerations(model, {"selective_fp8": {"min_tokens": 1, **options}},
                                               RuntimePolicy(dtype="bf16"), registry=reg)
     handle = session.handles("selective_fp8")["model"]
     if force_fp8:
-        handle.runtime.device_reasons[CPU] = None  # CPU torch has _scaled_mm: let the FP8 path run
+        kit.allow_cpu_fp8(session, handle)
     return session, handle
 
 
@@ -83,7 +84,7 @@ def test_hooks_on_inner_modules_at_install_keep_that_ffn_unfused(kit, where):
     model = kit.build_wan(dtype=torch.bfloat16)
     calls = []
     model.blocks[0].ffn.get_submodule(where).register_forward_hook(lambda m, a, o: calls.append(where))
-    session, handle = install(model)
+    session, handle = install(kit, model)
     assert handle.runtime.fused_ffns == ("blocks.1.ffn",)
     assert "blocks.0.ffn" not in session.receipt.plugins[0].claims
     assert handle.runtime.not_fused == {
@@ -110,12 +111,12 @@ def test_structure_that_is_not_a_plain_feedforward_is_not_fused(kit):
 # ------------------------------------------------------------------------------------------ execution
 def test_fused_path_receipts_and_bitwise_equality_with_the_per_linear_path(kit):
     model = kit.build_wan(dtype=torch.bfloat16)
-    session, _ = install(model, fuse_gelu=False)
+    session, _ = install(kit, model, fuse_gelu=False)
     per_linear = run(kit, model, "per-linear")
     assert record_of(session, "per-linear")["modules"] == {p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS}
     session.uninstall()
 
-    session, _ = install(model)
+    session, _ = install(kit, model)
     fused = run(kit, model, "fused")
     record = record_of(session, "fused")
     assert record["modules"] == {**{p: {"fp8_gemm": 1} for p in kit.WAN_FFN_PATHS},
@@ -130,13 +131,13 @@ def test_fused_path_receipts_and_bitwise_equality_with_the_per_linear_path(kit):
 
 
 @pytest.mark.parametrize("activation_fn", ["gelu-approximate", "gelu"])
-def test_bare_feedforward_at_the_root_both_gelu_forms(activation_fn):
+def test_bare_feedforward_at_the_root_both_gelu_forms(kit, activation_fn):
     torch.manual_seed(0)
     ffn = FeedForward(64, inner_dim=128, activation_fn=activation_fn).to(torch.bfloat16).eval()
     x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         dense = ffn(x)
-    session, handle = install(ffn, include=["net.0.proj", "net.2"])
+    session, handle = install(kit, ffn, include=["net.0.proj", "net.2"])
     assert handle.runtime.fused_ffns == ("<root>",) and "<root>" in session.receipt.plugins[0].claims
     with torch.no_grad(), request_scope(RequestContext("r")):
         out = ffn(x)
@@ -158,7 +159,7 @@ def test_bare_feedforward_at_the_root_both_gelu_forms(activation_fn):
 def test_dense_fallbacks_keep_the_original_ffn_forward(kit):
     model = kit.build_wan(dtype=torch.bfloat16)
     dense = kit.run_wan(model, torch.bfloat16)
-    session, _ = install(model, force_fp8=False)  # the CPU: every Linear falls back, nothing fused
+    session, _ = install(kit, model, force_fp8=False)  # the CPU: every Linear falls back, nothing fused
     assert torch.equal(run(kit, model, "cpu"), dense)
     record = record_of(session, "cpu")
     assert record["module_fallbacks"] == {p: {"cpu device": 1} for p in kit.WAN_FFN_PATHS}
@@ -166,7 +167,7 @@ def test_dense_fallbacks_keep_the_original_ffn_forward(kit):
     assert sorted(record["claimed_not_executed"]) == sorted([*kit.WAN_FFN_PATHS, *FFNS])
     session.uninstall()
 
-    session, _ = install(model, min_tokens=10_000)
+    session, _ = install(kit, model, min_tokens=10_000)
     run(kit, model, "small")
     record = record_of(session, "small")
     assert record["fallbacks"] == {"fewer than min_tokens rows": 4} and record["modules"] == {}
@@ -175,7 +176,7 @@ def test_dense_fallbacks_keep_the_original_ffn_forward(kit):
 
 def test_hooks_added_after_install_make_that_call_unfused(kit):
     model = kit.build_wan(dtype=torch.bfloat16)
-    session, _ = install(model)
+    session, _ = install(kit, model)
     seen = []
     handle = model.blocks[0].ffn.net[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
     run(kit, model, "hooked")
@@ -192,7 +193,7 @@ def test_hooks_added_after_install_make_that_call_unfused(kit):
 
 def test_active_dropout_and_extra_arguments_run_unfused(kit):
     model = kit.build_wan(dtype=torch.bfloat16)
-    session, _ = install(model)
+    session, _ = install(kit, model)
     dropout = model.blocks[1].ffn.net[1]
     dropout.p = 0.5
     dropout.train()  # not a guarded module (no selected Linear under it)
@@ -215,7 +216,7 @@ def test_exact_restore_and_signature_with_fusion(kit):
     model = kit.build_wan(dtype=torch.bfloat16)
     before = kit.fingerprint(model)
     signature = inspect.signature(model.blocks[0].ffn.forward)
-    session, _ = install(model)
+    session, _ = install(kit, model)
     assert "forward" in model.blocks[0].ffn.__dict__
     assert inspect.signature(model.blocks[0].ffn.forward) == signature
     run(kit, model, "r")

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from worldfoundry_selective_fp8.plugin import default_include, prepare
 
+from worldfoundry import testing
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.prepared import (
     ROLE_APPROXIMATE_ATTENTION,
@@ -148,10 +149,7 @@ def test_refusals_happen_before_any_change(case, kit):
 
 
 def test_misaligned_dimensions_are_listed():
-    from diffusers import WanTransformer3DModel
-
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                  text_dim=32, freq_dim=32, ffn_dim=120, num_layers=2, rope_max_seq_len=64).eval()
+    model = testing.tiny_wan(weight_scale=None, ffn_dim=120)
     with pytest.raises(AccelerationRefusedError) as info:
         plan_for(model)
     message = str(info.value)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from worldfoundry_wan_cross_kv_fusion.plugin import prepare
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import get_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -58,13 +59,8 @@ class WanCase:
 
 
 def build_wan(image: bool = False, seed: int = 0) -> WanCase:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
     extra = {"image_dim": 32, "added_kv_proj_dim": 64} if image else {}
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-                                  **extra).eval()
+    model = testing.tiny_wan(seed, weight_scale=None, **extra)
     g = torch.Generator().manual_seed(7)
     tokens = TEXT_TOKENS if image else 24
     case = WanCase(model, image, {"cond": torch.randn(1, tokens, 32, generator=g),

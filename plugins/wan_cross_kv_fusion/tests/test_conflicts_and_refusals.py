@@ -12,6 +12,7 @@ import torch.nn as nn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from worldfoundry_wan_cross_kv_fusion.options import Options
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.prepared import ROLE_QUANTIZATION, PreparedAcceleration
@@ -189,11 +190,8 @@ def test_refusals(builders, registry) -> None:  # noqa: ANN001
 
 
 def test_refuses_other_families(registry) -> None:  # noqa: ANN001
-    from diffusers import SanaVideoTransformer3DModel
-
-    sana = SanaVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                       num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
-                                       cross_attention_dim=16, caption_channels=8, sample_size=4).eval()
+    sana = testing.tiny_sana_video(in_channels=4, out_channels=4, attention_head_dim=8, num_layers=1,
+                                   cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=8, sample_size=4)
     with pytest.raises(AccelerationRefusedError, match="only Wan transformers"):
         install_diffusion_accelerations(sana, {"wan_cross_kv_fusion": {}}, registry=registry)
 

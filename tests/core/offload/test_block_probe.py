@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel, SanaVideoTransformer3DModel, WanTransformer3DModel
 
+from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.offload.block_probe import (
     build_probe_block,
@@ -52,7 +53,7 @@ def _captured_block_inputs(model, call) -> dict:
 def test_wan_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
     source = resolve_dit_source(_config_file(tmp_path, WanTransformer3DModel, WAN))
     assert source.class_path == "diffusers.WanTransformer3DModel"
-    probe = build_probe_block(source, device=CPU, dtype=torch.bfloat16, random_weights=True, index=1)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.bfloat16, random_weights=True, index=1)
     assert probe.family == "wan" and probe.path == "blocks.1" and probe.num_blocks == 3
     assert probe.block.scale_shift_table.dtype == torch.float32  # fp32-kept modules stay fp32
     assert probe.block.ffn.net[2].weight.dtype == torch.bfloat16
@@ -77,7 +78,7 @@ def test_wan_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
 
 def test_h3_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
     source = resolve_dit_source(_config_file(tmp_path, MiniMaxH3Transformer3DModel, H3))
-    probe = build_probe_block(source, device=CPU, dtype=torch.bfloat16, random_weights=True)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.bfloat16, random_weights=True)
     inputs = build_probe_inputs(probe, frames=5, height=64, width=64, device=CPU, dtype=torch.bfloat16,
                                 sequence_length=40)
     assert inputs.tokens == 40
@@ -110,7 +111,7 @@ def test_block_weights_come_from_the_checkpoint(tmp_path) -> None:
     model.save_pretrained(tmp_path / "ckpt" / "transformer")
     source = resolve_dit_source(_config_file(tmp_path, WanTransformer3DModel, WAN), tmp_path / "ckpt")
     assert source.weights_dir == tmp_path / "ckpt" / "transformer"
-    probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=False, index=2)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=False, index=2)
     for name, p in probe.block.named_parameters():
         assert torch.equal(p, model.blocks[2].get_parameter(name)), name
     assert str(tmp_path) in probe.weights
@@ -118,7 +119,7 @@ def test_block_weights_come_from_the_checkpoint(tmp_path) -> None:
 
 def test_sana_video_probe_matches_the_models_own_block_inputs() -> None:
     source = resolve_dit_source("tiny-sana-video")
-    probe = build_probe_block(source, device=CPU, dtype=torch.bfloat16, random_weights=True)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.bfloat16, random_weights=True)
     assert probe.family == "sana_video" and probe.path == "transformer_blocks.0"
     inputs = build_probe_inputs(probe, frames=9, height=64, width=64, device=CPU, dtype=torch.bfloat16)
     assert inputs.tokens == 3 * 4 * 4  # latent 3 x 8 x 8, patch (1, 2, 2)
@@ -161,7 +162,7 @@ def test_per_token_timesteps_and_codec_stride_come_from_the_recipe(tmp_path, mon
     assert (source.spatial_stride, source.temporal_stride, source.expand_timesteps) == (16, 4, True)
     assert (resolve_dit_source("tiny-wan2.1").spatial_stride, resolve_dit_source("tiny-wan2.1").expand_timesteps) \
         == (8, False)
-    probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=True)
     inputs = build_probe_inputs(probe, frames=9, height=64, width=128, device=CPU, dtype=torch.float32)
     assert inputs.tokens == 3 * 2 * 4  # latent 3 x 4 x 8 (16x spatial), patch (1, 2, 2)
     fresh = inputs.make()
@@ -181,12 +182,12 @@ def test_recipe_source_and_errors(tmp_path) -> None:
     source = resolve_dit_source("tiny-wan2.1")
     assert source.class_path.endswith("WanTransformer3DModel") and source.config["num_layers"] == 2
     with pytest.raises(CheckpointError, match="--random-weights"):
-        build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=False)
+        build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=False)
     with pytest.raises(RecipeError, match="outside"):
-        build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True, index=5)
+        build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=True, index=5)
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_dit_source("tiny-wan2.1", tmp_path / "missing")
-    probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=True)
     with pytest.raises(RecipeError, match="minimax_h3"):
         build_probe_inputs(probe, frames=5, height=32, width=32, device=CPU, dtype=torch.float32, sequence_length=8)
 
@@ -194,7 +195,7 @@ def test_recipe_source_and_errors(tmp_path) -> None:
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_timers_return_medians_of_the_samples(tmp_path, contiguous: bool) -> None:
     source = resolve_dit_source(_config_file(tmp_path, WanTransformer3DModel, WAN))
-    probe = build_probe_block(source, device=CPU, dtype=torch.float32, random_weights=True)
+    probe = build_probe_block(source, family_of=family_of, device=CPU, dtype=torch.float32, random_weights=True)
     inputs = build_probe_inputs(probe, frames=5, height=32, width=32, device=CPU, dtype=torch.float32)
     calls = {"n": 0}
     original = inputs.make

@@ -8,10 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worldfoundry.core.offload.estimator import (
+from worldfoundry_resident_blocks.residency_files import (
     CONFIG_FILENAME,
     REPORT_JSON_FILENAME,
     REPORT_MD_FILENAME,
+    write_estimate,
+)
+
+from worldfoundry.core.offload.estimator import (
     RULES,
     estimate_residency,
     resident_count,
@@ -19,7 +23,6 @@ from worldfoundry.core.offload.estimator import (
     resident_without_waits,
     two_slot_copy_wait_ms,
     uniform_resident_indices,
-    write_estimate,
 )
 
 times = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinity=False)

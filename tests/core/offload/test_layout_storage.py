@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from worldfoundry.core.offload.host_storage import HostBlockStorage
+from worldfoundry.core.offload.pinned import cuda_reports_page_locked, is_page_locked, registered_by_this_process
 from worldfoundry.core.offload.layout import (
     MIN_ALIGNMENT,
     TENSOR_ALIGNMENT,
@@ -107,7 +108,8 @@ def test_pinned_storage_copies_to_the_device(contiguous: bool) -> None:
     named = [(n, t) for n, t in _tensors() if t.dtype != torch.int32]
     layout = BlockLayout.from_tensors(named)
     storage = HostBlockStorage.from_tensors(layout, [t for _, t in named], contiguous=contiguous, pin=True)
-    assert all(m.is_pinned() for m in storage.masters if m.numel())
+    # Tensor.is_pinned() does not see cudaHostRegister memory in recent PyTorch; CUDA (or the record) does
+    assert all(is_page_locked(m) for m in storage.masters if m.numel())
     assert storage.pin_method == "cuda_host_register"  # exact size, not rounded to a power of two
     assert storage.locked_bytes < storage.nbytes + len(storage.masters) * 2 * 4096
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
@@ -122,11 +124,14 @@ def test_pinned_storage_copies_to_the_device(contiguous: bool) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for pinned memory")
 @pytest.mark.gpu
 def test_pinned_buffer_is_exact_size_and_unregisters() -> None:
-    from worldfoundry.core.offload.pinned import PAGE_BYTES, PinnedBuffer
+    from worldfoundry.core.offload.pinned import PAGE_BYTES, PinnedBuffer, registered_by_this_process
 
     buffer = PinnedBuffer(3 * PAGE_BYTES + 5, torch.device("cuda"))
+    buffer_ptr = buffer.tensor.data_ptr()
+    assert registered_by_this_process(buffer_ptr, buffer.nbytes)
     assert buffer.method == "cuda_host_register" and buffer.tensor.numel() == 3 * PAGE_BYTES + 5
-    assert buffer.tensor.is_pinned() and buffer.locked_bytes == 4 * PAGE_BYTES
+    assert is_page_locked(buffer.tensor) and buffer.locked_bytes == 4 * PAGE_BYTES
+    assert cuda_reports_page_locked(buffer.tensor.data_ptr()) in (True, None)  # CUDA agrees where it can be asked
     device = torch.empty(buffer.nbytes, dtype=torch.uint8, device="cuda")
     buffer.tensor.fill_(7)
     device.copy_(buffer.tensor, non_blocking=True)
@@ -134,3 +139,15 @@ def test_pinned_buffer_is_exact_size_and_unregisters() -> None:
     assert int(device.min()) == 7
     buffer.release()
     buffer.release()  # idempotent
+    assert not registered_by_this_process(buffer_ptr, 1)
+
+
+def test_ordinary_host_memory_is_not_page_locked() -> None:
+    x = torch.empty(1024, dtype=torch.uint8)
+    assert not is_page_locked(x)
+    assert not is_page_locked(torch.empty(4, device="meta"))
+    assert not registered_by_this_process(x.data_ptr(), x.numel())
+    if not torch.cuda.is_available():
+        assert cuda_reports_page_locked(x.data_ptr()) is None  # nothing to ask
+    else:
+        assert cuda_reports_page_locked(x.data_ptr()) in (False, None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -46,6 +45,8 @@ ORIGINAL_KEY_COUNT: Final = 194
 ORIGINAL_SUFFIXES: Final = (".pth", ".pt", ".ckpt", ".bin")
 SAFETENSORS_SUFFIX: Final = ".safetensors"
 DIFFUSERS_WEIGHT_FILES: Final = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
+#: Largest codec checkpoint file read (the Wan2.1 VAE is about 500 MB).
+MAX_CODEC_FILE_BYTES: Final = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -306,10 +307,14 @@ def read_checkpoint(path: str | os.PathLike[str], *, component: str = "vae", rec
                 recipe, component, [str(directory / n) for n in ("config.json", *DIFFUSERS_WEIGHT_FILES)],
                 hint="A diffusers codec directory needs config.json and diffusion_pytorch_model.safetensors.",
             )
+        from worldfoundry.core.model_loading.input_files import load_json_file
+
         try:
-            config = json.loads((directory / "config.json").read_text())
-        except (OSError, ValueError) as exc:
+            config = load_json_file(directory / "config.json", what="codec config", max_bytes=1 << 20)
+        except (OSError, ValueError) as exc:  # InputFileError / JsonInputError name the file and the key
             raise CheckpointError(f"{directory / 'config.json'}: unreadable codec config ({exc})") from exc
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{directory / 'config.json'}: a codec config must be a JSON object")
         state_dict, fmt = _read_file(weights), "diffusers-directory"
         return _RawCheckpoint(state_dict, weights, fmt, config)
     state_dict = _read_file(p)
@@ -318,6 +323,13 @@ def read_checkpoint(path: str | os.PathLike[str], *, component: str = "vae", rec
 
 
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    from worldfoundry.core.model_loading.input_files import check_input_file
+    from worldfoundry.errors import InputFileError
+
+    try:  # stat before reading: a regular file within the bound (never a FIFO or a device such as /dev/zero)
+        check_input_file(path, what="codec checkpoint", max_bytes=MAX_CODEC_FILE_BYTES)
+    except InputFileError as exc:
+        raise CheckpointError(str(exc)) from exc
     if path.suffix == SAFETENSORS_SUFFIX:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -411,6 +423,7 @@ def check_and_convert(state_dict: Mapping[str, torch.Tensor], variant: CodecVari
 
     Raises:
         CheckpointError: the file is another codec (message says which), or keys/shapes differ.
+        NonFiniteWeightsError: a tensor holds NaN or Inf (a :class:`CheckpointError` naming the key).
     """
     identity = identify(state_dict, where=where)
     if not identity.matches(variant):
@@ -442,6 +455,9 @@ def check_and_convert(state_dict: Mapping[str, torch.Tensor], variant: CodecVari
     bad_dtype = sorted(k for k, v in state_dict.items() if not v.is_floating_point())
     if bad_dtype:
         raise CheckpointError(f"{where}: non-floating tensors {bad_dtype[:3]} in a codec checkpoint")
+    from worldfoundry.core.model_loading.input_files import check_finite_tensors
+
+    check_finite_tensors(state_dict, where=where)  # NonFiniteWeightsError names the tensor
     if identity.layout == "original":
         from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 

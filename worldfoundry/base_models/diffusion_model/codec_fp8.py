@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,10 +36,19 @@ from worldfoundry.base_models.diffusion_model.codec_checkpoints import (
     parameter_sha256,
     tensor_structure,
 )
+from worldfoundry.base_models.diffusion_model.codec_fp8_artifact import (
+    ARTIFACT_FORMAT,
+    amax_value,
+    check_artifact_schema,
+    is_sha256,
+)
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.fp8_conv import ConvGeometry
+from worldfoundry.core.model_loading.input_files import check_input_file
 from worldfoundry.errors import (
     ArtifactMismatchError,
+    CalibrationArtifactError,
+    InputFileError,
     InvalidRequestError,
     QuantizationInputError,
 )
@@ -50,8 +58,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_FORMAT: Final = "worldfoundry-lightvae-fp8-v1"
 ENCODER_PREFIX: Final = "encoder."
+#: Largest calibration clip file read.
+MAX_CLIP_BYTES: Final = 8 << 30
 DEFAULT_INCLUDE: Final = ("encoder.*",)
 
 
@@ -107,6 +116,10 @@ def load_clip(path: str | os.PathLike[str], frames: int) -> torch.Tensor:
     if frames < 1 or (frames - 1) % 4:
         raise InvalidRequestError(f"--frames must be 1 + 4k, got {frames}")
     try:
+        check_input_file(path, what="calibration clip", max_bytes=MAX_CLIP_BYTES)
+    except InputFileError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    try:
         data = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unreadable files
         raise InvalidRequestError(f"{path}: cannot read calibration clip ({type(exc).__name__}: {exc})") from exc
@@ -125,7 +138,10 @@ def load_clip(path: str | os.PathLike[str], frames: int) -> torch.Tensor:
         raise InvalidRequestError(f"{path}: expected (B, 3, T, H, W) in [-1, 1], got {tuple(video.shape)} {video.dtype}")
     if video.shape[2] < frames:
         raise InvalidRequestError(f"{path}: has {video.shape[2]} frames, fewer than --frames {frames}")
-    return video[:1, :, :frames].float().contiguous()
+    clip = video[:1, :, :frames].float().contiguous()
+    if not bool(torch.isfinite(clip).all()):
+        raise InvalidRequestError(f"{path}: the clip holds NaN or Inf values; use an intact clip")
+    return clip
 
 
 # --------------------------------------------------------------------------------------------- calibration
@@ -230,32 +246,32 @@ def save_artifact(artifact: Mapping[str, Any], path: str | os.PathLike[str]) -> 
 # --------------------------------------------------------------------------------------------- binding
 
 
-_REQUIRED_FIELDS: Final = ("format", "variant", "checkpoint", "encoder_parameters_sha256", "tensor_structure",
-                           "calibration", "convolutions")
+#: Largest calibration artifact file read (a student artifact is a few hundred KiB).
+MAX_ARTIFACT_BYTES: Final = 256 << 20
 
 
 def load_artifact(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read an artifact with ``torch.load(weights_only=True)`` and check its schema.
+    """Read an artifact with ``torch.load(weights_only=True)`` and check every field of its schema.
+
+    The file is stat-checked first (a regular file of at most :data:`MAX_ARTIFACT_BYTES`; directories, FIFOs
+    and devices such as ``/dev/zero`` are refused before any byte is read).
 
     Raises:
-        ArtifactMismatchError: missing file, unreadable, another format or missing fields.
+        ArtifactMismatchError: missing file, not a regular file, too large, unreadable or another format.
+        CalibrationArtifactError: a malformed field (an :class:`ArtifactMismatchError` naming file and key).
     """
     p = Path(os.fspath(path))
-    if not p.is_file():
+    if not p.exists():
         raise ArtifactMismatchError(f"FP8 calibration artifact {p} does not exist")
+    try:
+        check_input_file(p, what="FP8 calibration artifact", max_bytes=MAX_ARTIFACT_BYTES)
+    except InputFileError as exc:
+        raise ArtifactMismatchError(str(exc)) from exc
     try:
         data = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unreadable files
         raise ArtifactMismatchError(f"{p}: not a readable calibration artifact ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(data, dict) or data.get("format") != ARTIFACT_FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ArtifactMismatchError(f"{p}: not a {ARTIFACT_FORMAT} artifact (format {found!r})")
-    missing = [k for k in _REQUIRED_FIELDS if k not in data]
-    if missing:
-        raise ArtifactMismatchError(f"{p}: artifact lacks field(s) {missing}")
-    if data["variant"] != STUDENT_VARIANT:
-        raise ArtifactMismatchError(f"{p}: artifact is for variant {data['variant']!r}, not {STUDENT_VARIANT!r}")
-    return data
+    return check_artifact_schema(data, str(p), variant=STUDENT_VARIANT)
 
 
 @dataclass(frozen=True)
@@ -283,13 +299,19 @@ def validate_artifact(artifact: Mapping[str, Any], encoder: nn.Module, *,
         The bound convolutions, in artifact order.
 
     Raises:
+        CalibrationArtifactError: a malformed field of the artifact, or a ``checkpoint_sha256`` that is not 64
+            hexadecimal digits.
         ArtifactMismatchError: not the student, other weights (digest/structure/checkpoint hash), unknown
             convolution paths or different geometry.
     """
+    check_artifact_schema(artifact, where, variant=STUDENT_VARIANT)
+    if checkpoint_sha256 is not None and not is_sha256(checkpoint_sha256):
+        raise CalibrationArtifactError(where, "checkpoint_sha256", "the codec's checkpoint SHA256 must be 64 lowercase "
+                                       f"hexadecimal digits, got {str(checkpoint_sha256)[:70]!r}")
     problem = encoder_is_student(encoder)
     if problem is not None:
         raise ArtifactMismatchError(f"{where}: {problem}")
-    recorded_sha = artifact["checkpoint"].get("sha256")
+    recorded_sha = artifact["checkpoint"]["sha256"]
     if checkpoint_sha256 is not None and recorded_sha is not None and recorded_sha != checkpoint_sha256:
         raise ArtifactMismatchError(
             f"{where} was calibrated on checkpoint SHA256 {recorded_sha}, the codec was loaded from SHA256 "
@@ -314,13 +336,11 @@ def validate_artifact(artifact: Mapping[str, Any], encoder: nn.Module, *,
         try:
             recorded = ConvGeometry.from_json(entry["geometry"])
             actual = ConvGeometry.from_conv(conv)
-        except (QuantizationInputError, KeyError, TypeError) as exc:
-            raise ArtifactMismatchError(f"{where}: {path}: {exc}") from exc
+        except (QuantizationInputError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise CalibrationArtifactError(where, f"convolutions[{path!r}].geometry", f"{type(exc).__name__}: {exc}") from exc
         if recorded != actual:
             raise ArtifactMismatchError(f"{where}: {path} geometry {actual.to_json()} differs from the recorded {recorded.to_json()}")
-        amax = float(entry["amax"])
-        if not math.isfinite(amax) or amax < 0.0:
-            raise ArtifactMismatchError(f"{where}: {path} has an invalid amax {amax}")
+        amax = amax_value(where, f"convolutions[{path!r}].amax", entry["amax"])
         bound.append(BoundConvolution(path, path[len(ENCODER_PREFIX):], conv, actual, amax, int(entry.get("calls", 0))))
     if not bound:
         raise ArtifactMismatchError(f"{where}: the artifact selects no convolution")

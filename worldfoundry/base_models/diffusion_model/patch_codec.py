@@ -35,6 +35,11 @@ class PixelPatchCodec(nn.Module):
     def from_config(cls, config: dict[str, Any]) -> PixelPatchCodec:
         return cls(**dict(config))
 
+    @staticmethod
+    def strides_for(config: dict[str, Any]) -> tuple[int, int]:
+        """``(temporal, spatial)`` stride of the codec a config builds, without building it."""
+        return 1, int(config.get("patch", 4))
+
     @property
     def module(self) -> PixelPatchCodec:
         return self

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import time
@@ -72,7 +71,11 @@ def resolve_recipe(recipe_or_dir: str | os.PathLike[str]) -> tuple[Recipe, str |
     config_file = path / "transformer" / "config.json"
     if not config_file.is_file():
         raise UnknownRecipeError(str(recipe_or_dir), available_recipes())
-    config = json.loads(config_file.read_text())
+    from worldfoundry.core.model_loading.input_files import load_json_file
+
+    config = load_json_file(config_file, what="transformer config")
+    if not isinstance(config, dict):
+        raise UnknownRecipeError(f"{recipe_or_dir} ({config_file} is not a JSON object)", available_recipes())
     keys = ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels")
     for name in available_recipes():
         recipe = load_recipe(name)

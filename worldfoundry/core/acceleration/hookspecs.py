@@ -25,8 +25,10 @@ def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Register accelerations provided by this plugin.
 
     Args:
-        register: ``register(name, prepare_factory, *, options=Options, replace=False)``. ``prepare_factory(model, options, policy)``
-            validates and returns a :class:`~worldfoundry.core.acceleration.prepared.PreparedAcceleration`.
+        register: ``register(name, prepare_factory, *, options=Options, replace=False)``.
+            ``prepare_factory(model, options, policy)`` validates and returns a
+            :class:`~worldfoundry.core.acceleration.prepared.PreparedAcceleration`; ``Options`` (a
+            :class:`~worldfoundry.plugin.PluginOptions` subclass) lets tools validate a spec without a model.
     """
 
 

@@ -19,10 +19,11 @@ name the JSON path of the bad value (``accelerations.my_kernel.threshold: expect
 from __future__ import annotations
 
 import math
+import os
 from contextvars import ContextVar
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Self
 
 from worldfoundry.errors import AccelerationOptionsError
 
@@ -42,27 +43,69 @@ _BUILD_PATH: ContextVar[str] = ContextVar("worldfoundry_options_path", default="
 
 
 class OptionValueError(ValueError):
-    """Raised by a check; the options base turns it into :class:`AccelerationOptionsError` with the path."""
+    """Raised by a check; the options base turns it into :class:`AccelerationOptionsError` with the path.
 
-    def __init__(self, path: str, message: str) -> None:
+    Args:
+        path: the JSON path of the bad value, relative to where the check runs (``threshold``, ``self.fusion``).
+        message: what is wrong, in words (used as ``"{path}: {message}"``); or
+        expected: what was expected (``"an integer >= 0"``) and ``value`` the bad value: the options class
+            renders these with its :attr:`PluginOptions.error_format`.
+    """
+
+    def __init__(self, path: str, message: str | None = None, *, expected: str | None = None,
+                 value: Any = None) -> None:
         self.path = path
-        super().__init__(f"{path}: {message}")
+        self.expected = expected
+        self.shown = shown_value(value)
+        self.message = message if message is not None else f"expected {expected}, got {self.shown}"
+        super().__init__(f"{path}: {self.message}")
+
+    def render(self, error_format: str, path: str) -> str:
+        """The message at ``path`` in the wording ``error_format`` (``expected`` form) or ``"path: message"``."""
+        if self.expected is None:
+            return f"{path}: {self.message}" if path else self.message
+        return error_format.format(path=path, expected=self.expected, value=self.shown)
+
+
+def shown_value(value: Any) -> str:
+    """A short ``repr`` of a bad value (huge integers by size, long reprs cut), safe for any input."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        shown = repr(value)
+    except Exception:  # a hostile __repr__ must not hide the real error
+        shown = f"<{type(value).__name__}>"
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+def join_path(base: str, name: str) -> str:
+    """``base.name``, or whichever of the two is not empty."""
+    return f"{base}.{name}" if base and name else base or name
 
 
 def _fail(path: str, expected: str, value: Any) -> OptionValueError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return OptionValueError(path, f"expected {expected}, got {shown}")
+    return OptionValueError(path, expected=expected, value=value)
+
+
+def _bounds(lo: float | None, hi: float | None, fmt: Callable[[Any], str] = str) -> str:
+    if lo is not None and hi is not None:
+        return f" in [{fmt(lo)}, {fmt(hi)}]"
+    if lo is not None:
+        return f" >= {fmt(lo)}"
+    return f" <= {fmt(hi)}" if hi is not None else ""
 
 
 # ---------------------------------------------------------------------------------------- checks
-def integer(*, min: int | None = None, max: int | None = None) -> Check:  # noqa: A002 - bounds read naturally
-    """An ``int`` (not ``bool``) in ``[min, max]``; always within ±(2⁶³ − 1)."""
+def integer(*, min: int | None = None, max: int | None = None, expected: str | None = None) -> Check:  # noqa: A002
+    """An ``int`` (not ``bool``) in ``[min, max]``; always within ±(2⁶³ − 1).
+
+    Args:
+        min, max: inclusive bounds (``None``: the signed 64-bit limit).
+        expected: the words of the error instead of ``"an integer >= 0"``.
+    """
     lo = -INT_LIMIT if min is None else min
     hi = INT_LIMIT if max is None else max
-    expected = f"an integer in [{lo}, {hi}]" if (min is not None and max is not None) else (
-        f"an integer >= {lo}" if min is not None else (f"an integer <= {hi}" if max is not None else "an integer"))
+    expected = expected or "an integer" + _bounds(min, max)
 
     def check(value: Any, path: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -72,17 +115,25 @@ def integer(*, min: int | None = None, max: int | None = None) -> Check:  # noqa
     return check
 
 
-def number(*, min: float | None = None, max: float | None = None, min_exclusive: bool = False) -> Check:  # noqa: A002
-    """A finite real number (``int`` or ``float``, not ``bool``) in the bounds, returned as ``float``."""
+def number(*, min: float | None = None, max: float | None = None, min_exclusive: bool = False,  # noqa: A002
+           expected: str | None = None, type_expected: str | None = None) -> Check:
+    """A finite real number (``int`` or ``float``, not ``bool``) in the bounds, returned as ``float``.
+
+    Args:
+        min, max: bounds (``min`` exclusive when ``min_exclusive``); magnitudes above 1e300 are always refused.
+        expected: the words of the error for a value out of range.
+        type_expected: the words for a value that is not a number at all (default: ``expected``).
+    """
     lo = -FLOAT_LIMIT if min is None else float(min)
     hi = FLOAT_LIMIT if max is None else float(max)
     op = ">" if min_exclusive else ">="
     parts = [f"{op} {min:g}" if min is not None else "", f"<= {max:g}" if max is not None else ""]
-    expected = "a finite number" + ("" if not any(parts) else " " + " and ".join(p for p in parts if p))
+    expected = expected or "a finite number" + ("" if not any(parts) else " " + " and ".join(p for p in parts if p))
+    type_expected = type_expected or expected
 
     def check(value: Any, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _fail(path, expected, value)
+            raise _fail(path, type_expected, value)
         if isinstance(value, int) and abs(value) > INT_LIMIT:
             raise _fail(path, expected, value)
         result = float(value)
@@ -93,39 +144,66 @@ def number(*, min: float | None = None, max: float | None = None, min_exclusive:
     return check
 
 
-def boolean() -> Check:
+def boolean(*, expected: str = "true or false") -> Check:
     """``True`` or ``False`` (not ``0``/``1``)."""
 
     def check(value: Any, path: str) -> bool:
         if not isinstance(value, bool):
-            raise _fail(path, "true or false", value)
+            raise _fail(path, expected, value)
         return value
 
     return check
 
 
-def choice(*values: Any) -> Check:
-    """One of ``values`` (compared with ``==`` and the same type)."""
+def choice(*values: Any, expected: str | None = None) -> Check:
+    """One of ``values`` (compared with ``==`` and the same type).
+
+    A value of none of the allowed types (a number where every choice is a string) is named by type:
+    ``"expected a string"``.
+    """
     allowed = tuple(values)
+    listed = expected or f"one of {list(allowed)}"
+    all_strings = bool(allowed) and all(isinstance(v, str) for v in allowed)
 
     def check(value: Any, path: str) -> Any:
         for candidate in allowed:
             if type(value) is type(candidate) and value == candidate:
                 return value
-        raise _fail(path, f"one of {list(allowed)}", value)
+        if all_strings and not isinstance(value, str):
+            raise _fail(path, f"a string, {listed}", value)
+        raise _fail(path, listed, value)
 
     return check
 
 
-def string(*, nonempty: bool = True, max_length: int = MAX_STRING) -> Check:
-    """A ``str`` of at most ``max_length`` characters (non-empty unless told)."""
+def string(*, nonempty: bool = True, min_length: int = 0, max_length: int = MAX_STRING,
+           expected: str | None = None) -> Check:
+    """A ``str`` of ``min_length`` to ``max_length`` characters (non-empty unless told), without NUL."""
+    low = max(min_length, 1 if nonempty else 0)
+    expected = expected or ("a non-empty string" if nonempty else "a string")
 
     def check(value: Any, path: str) -> str:
-        if not isinstance(value, str) or len(value) > max_length or (nonempty and not value):
-            raise _fail(path, "a non-empty string" if nonempty else "a string", value)
-        if "\x00" in value:
-            raise _fail(path, "a string without NUL characters", value)
+        if not isinstance(value, str) or not low <= len(value) <= max_length or "\x00" in value:
+            raise _fail(path, expected, value)
         return value
+
+    return check
+
+
+def file_path(*, expected: str = "a non-empty file path") -> Check:
+    """A file path: a non-empty ``str`` or :class:`os.PathLike` (returned as ``str``), at most 4096 characters.
+
+    The path is data: nothing is opened here.
+    """
+    inner = string(expected=expected)
+
+    def check(value: Any, path: str) -> str:
+        if isinstance(value, os.PathLike):
+            try:
+                value = os.fspath(value)
+            except TypeError:
+                raise _fail(path, expected, value) from None
+        return inner(value, path)
 
     return check
 
@@ -139,17 +217,23 @@ def optional(inner: Check) -> Check:
     return check
 
 
-def sequence_of(inner: Check, *, min_items: int = 0, max_items: int = MAX_ITEMS, unique: bool = False) -> Check:
+def sequence_of(inner: Check, *, min_items: int = 0, max_items: int = MAX_ITEMS, unique: bool = False,
+                expected: str = "a list") -> Check:
     """A list or tuple (not a string) of items ``inner`` accepts, returned as a tuple."""
 
     def check(value: Any, path: str) -> tuple[Any, ...]:
-        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-            raise _fail(path, "a list", value)
+        if not isinstance(value, list | tuple):
+            raise _fail(path, expected, value)
         if not min_items <= len(value) <= max_items:
-            raise _fail(path, f"a list of {min_items} to {max_items} items", value)
+            raise _fail(path, f"{expected} of {min_items} to {max_items} items", value)
         items = tuple(inner(item, f"{path}[{i}]") for i, item in enumerate(value))
-        if unique and len(set(items)) != len(items):
-            raise _fail(path, "a list without repeated items", value)
+        if unique:
+            try:
+                repeated = len(set(items)) != len(items)
+            except TypeError:
+                repeated = any(a == b for i, a in enumerate(items) for b in items[i + 1:])
+            if repeated:
+                raise OptionValueError(path, f"{shown_value(value)} lists an item twice; items must not repeat")
         return items
 
     return check
@@ -212,64 +296,92 @@ class PluginOptions:
     """
 
     plugin_name: ClassVar[str] = "plugin"
+    #: How a check's ``expected`` error reads; ``"{path} must be {expected}, got {value}"`` is the other wording.
+    error_format: ClassVar[str] = "{path}: expected {expected}, got {value}"
 
     def __post_init__(self) -> None:
         base = _BUILD_PATH.get()
-        _BUILD_PATH.set("")  # nested options built by a check set their own path
-        for f in fields(self):
-            check = f.metadata.get(CHECK_KEY)
-            if check is None:
-                continue
-            path = f"{base}.{f.name}" if base else f.name
-            try:
-                object.__setattr__(self, f.name, check(getattr(self, f.name), path))
-            except OptionValueError as exc:
-                raise AccelerationOptionsError(self.plugin_name, str(exc), path=exc.path) from None
-        _BUILD_PATH.set(base)
+        token = _BUILD_PATH.set("")  # options built by a check (nested) set their own path
+        try:
+            for f in fields(self):
+                check = f.metadata.get(CHECK_KEY)
+                if check is not None:
+                    object.__setattr__(self, f.name, check(getattr(self, f.name), join_path(base, f.name)))
+        except OptionValueError as exc:  # field checks name the full path
+            raise self._error(exc, exc.path) from None
+        finally:
+            _BUILD_PATH.reset(token)
         try:
             self.validate()
-        except OptionValueError as exc:
-            path = f"{base}.{exc.path}" if base else exc.path
-            raise AccelerationOptionsError(self.plugin_name, f"{path}: {str(exc).split(': ', 1)[-1]}", path=path) from None
+        except OptionValueError as exc:  # validate() names paths relative to these options
+            raise self._error(exc, join_path(base, exc.path)) from None
+
+    def _error(self, exc: OptionValueError, path: str) -> AccelerationOptionsError:
+        return AccelerationOptionsError(self.plugin_name, exc.render(self.error_format, path), path=path or None)
 
     def validate(self) -> None:
         """Checks across fields; override and raise :class:`OptionValueError` (path relative to the options)."""
 
     @classmethod
     def known_options(cls) -> tuple[str, ...]:
+        """The option names a spec mapping may hold, sorted."""
         return tuple(sorted(f.name for f in fields(cls) if f.init))
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any] | None, *, path: str = "") -> PluginOptions:
+    def required_options(cls) -> tuple[str, ...]:
+        """The options without a default, in declaration order."""
+        return tuple(f.name for f in fields(cls)
+                     if f.init and f.default is MISSING and f.default_factory is MISSING)
+
+    @classmethod
+    def check_mapping(cls, options: Any, *, path: str = "", known: Sequence[str] | None = None) -> Mapping[str, Any]:
+        """``options`` as a mapping with only ``known`` keys (default :meth:`known_options`).
+
+        Raises:
+            AccelerationOptionsError: not a mapping or an unknown key (both named, with the known ones).
+        """
+        if not isinstance(options, Mapping):
+            where = repr(path) if path else "options"
+            raise AccelerationOptionsError(
+                cls.plugin_name, f"{where} must be a mapping; expected a mapping of option names to values, "
+                f"got {type(options).__name__}", path=path or None)
+        allowed = cls.known_options() if known is None else tuple(known)
+        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in options if k not in allowed)
+        if unknown:
+            where = f" in {path!r}" if path else ""
+            raise AccelerationOptionsError(
+                cls.plugin_name, f"unknown option(s) {unknown}{where}; known options: {sorted(allowed)}",
+                path=path or None)
+        return options
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None, *, path: str = "") -> Self:
         """Build from a spec mapping (``None`` = defaults); unknown keys are rejected by name.
 
         Args:
             options: the plugin's spec value.
-            path: the JSON path of ``options`` for error messages (e.g. ``candidates[2].accelerations.easycache``).
+            path: the JSON path of ``options`` for error messages (e.g. ``candidates[2].accelerations.my_kernel``).
+
+        Returns:
+            The validated, frozen options.
 
         Raises:
-            AccelerationOptionsError: not a mapping, an unknown key, or a bad value; ``.path`` names it.
+            AccelerationOptionsError: not a mapping, an unknown or missing key, or a bad value; ``.path`` names it.
         """
-        if options is None:
-            options = {}
-        where = path or "options"
-        if not isinstance(options, Mapping):
-            raise AccelerationOptionsError(
-                cls.plugin_name, f"{where}: expected a mapping of options, got {type(options).__name__}", path=where)
-        known = cls.known_options()
-        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in options if k not in known)
-        if unknown:
-            raise AccelerationOptionsError(
-                cls.plugin_name, f"{where}: unknown option(s) {unknown}; known options: {list(known)}", path=where)
-        return cls._build({str(k): v for k, v in options.items()}, path)
+        mapping = cls.check_mapping({} if options is None else options, path=path)
+        missing = [name for name in cls.required_options() if name not in mapping]
+        if missing:
+            where = f" in {path!r}" if path else ""
+            raise AccelerationOptionsError(cls.plugin_name, f"missing required option(s) {missing}{where}",
+                                           path=path or None)
+        return cls.build(dict(mapping), path=path)
 
     @classmethod
-    def _build(cls, values: dict[str, Any], path: str) -> PluginOptions:
+    def build(cls, values: Mapping[str, Any], *, path: str = "") -> Self:
+        """``cls(**values)`` with errors naming ``path`` (for ``from_mapping`` overrides that rename keys)."""
         token = _BUILD_PATH.set(path)
         try:
             return cls(**values)
-        except TypeError as exc:  # a required field is missing
-            raise AccelerationOptionsError(cls.plugin_name, f"{path or 'options'}: {exc}", path=path) from None
         finally:
             _BUILD_PATH.reset(token)
 
@@ -293,6 +405,9 @@ def options_class_of(options: Any) -> type[PluginOptions] | None:
 
 __all__ = [
     "CHECK_KEY",
+    "file_path",
+    "join_path",
+    "shown_value",
     "OptionValueError",
     "PluginOptions",
     "any_of",

@@ -13,9 +13,10 @@ Execution ledger vocabulary (the benchmark's execution proof reads it):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -157,6 +158,61 @@ class ExecutionLedger:
         self._requests: OrderedDict[str, _RequestRecord] = OrderedDict()
         self._totals: dict[str, int] = {}
         self._dropped_requests = 0
+        self._diverted: list[LedgerCall] | None = None
+        self._diverted_thread: int | None = None
+
+    # ------------------------------------------------------------------ diverting (CUDA-graph capture)
+    @contextlib.contextmanager
+    def divert(self) -> Iterator[list[LedgerCall]]:
+        """Record this thread's calls into a list instead of applying them, inside the block.
+
+        Used while a forward is captured into a CUDA graph: the Python of the captured forward runs once but its
+        kernels run on every replay, so the calls are kept and applied (:meth:`apply`) once per replay.
+
+        Yields:
+            The list the calls are appended to, as ``(method, args, kwargs)``.
+
+        Raises:
+            RuntimeError: the ledger is already diverted.
+        """
+        calls: list[LedgerCall] = []
+        with self._lock:
+            if self._diverted is not None:
+                raise RuntimeError(f"the ledger of {self.plugin} is already diverted")
+            self._diverted, self._diverted_thread = calls, threading.get_ident()
+        try:
+            yield calls
+        finally:
+            with self._lock:
+                self._diverted = self._diverted_thread = None
+
+    def _divert(self, method: str, args: tuple[Any, ...], request_id: str | None) -> bool:
+        """Keep the call if this thread diverts the ledger (``True``: the caller must not apply it)."""
+        if self._diverted_thread != threading.get_ident():
+            return False
+        calls = self._diverted
+        if calls is None:
+            return False
+        calls.append((method, args, {"request_id": request_id}))
+        return True
+
+    def apply(self, calls: Iterable[LedgerCall], *, request_id: str | None = None,
+              replace_request: str | None = None) -> None:
+        """Apply calls kept by :meth:`divert`.
+
+        Args:
+            calls: ``(method, args, kwargs)`` as kept.
+            request_id: the request to record them for (``None``: the current one).
+            replace_request: calls that named this request id explicitly (or none) are recorded for
+                ``request_id``; calls naming another id keep it.
+        """
+        for method, args, kwargs in calls:
+            if method not in _RECORDING_METHODS:
+                continue
+            rid = kwargs.get("request_id")
+            if rid is None or rid == replace_request:
+                rid = request_id
+            getattr(self, method)(*args, request_id=rid)
 
     def _record(self, request_id: str | None) -> _RequestRecord:
         rid = request_id or current_request_id()
@@ -175,6 +231,8 @@ class ExecutionLedger:
 
     # ------------------------------------------------------------------ recording
     def executed(self, module: str, kind: str = "kernel", n: int = 1, *, request_id: str | None = None) -> None:
+        if self._diverted is not None and self._divert("executed", (module, kind, n), request_id):
+            return
         with self._lock:
             rec = self._record(request_id)
             self._bump(rec, kind, n)
@@ -183,6 +241,8 @@ class ExecutionLedger:
                 per[kind] = per.get(kind, 0) + n
 
     def fallback(self, module: str, reason: str, n: int = 1, *, request_id: str | None = None) -> None:
+        if self._diverted is not None and self._divert("fallback", (module, reason, n), request_id):
+            return
         with self._lock:
             rec = self._record(request_id)
             reason = str(reason)[:MAX_REASON_CHARS]
@@ -193,17 +253,23 @@ class ExecutionLedger:
                 _bounded_add(per, reason, n, DEFAULT_MAX_KEYS)
 
     def skipped(self, what: str, n: int = 1, *, request_id: str | None = None) -> None:
+        if self._diverted is not None and self._divert("skipped", (what, n), request_id):
+            return
         with self._lock:
             rec = self._record(request_id)
             _bounded_add(rec.skipped, what, n, DEFAULT_MAX_KEYS)
             self._bump(rec, f"skipped_{what}", n)
 
     def count(self, counter: str, n: int = 1, *, request_id: str | None = None) -> None:
+        if self._diverted is not None and self._divert("count", (counter, n), request_id):
+            return
         with self._lock:
             self._bump(self._record(request_id), counter, n)
 
     def note(self, key: str, value: Any, *, request_id: str | None = None) -> None:
         """Keep one small value (stored JSON-serialisable; tensors are never kept)."""
+        if self._diverted is not None and self._divert("note", (key, value), request_id):
+            return
         with self._lock:
             notes = self._record(request_id).notes
             if key in notes or len(notes) < DEFAULT_MAX_KEYS:
@@ -211,6 +277,8 @@ class ExecutionLedger:
 
     def trace(self, key: str, value: Any, *, request_id: str | None = None) -> None:
         """Append to a capped list (``max_trace`` values per key)."""
+        if self._diverted is not None and self._divert("trace", (key, value), request_id):
+            return
         with self._lock:
             traces = self._record(request_id).traces
             if key not in traces and len(traces) >= DEFAULT_MAX_KEYS:
@@ -241,6 +309,11 @@ class ExecutionLedger:
             }
 
 
+#: One kept ledger call: ``(method name, positional args, {"request_id": ...})``.
+LedgerCall = tuple[str, tuple[Any, ...], dict[str, Any]]
+_RECORDING_METHODS = frozenset({"executed", "fallback", "skipped", "count", "note", "trace"})
+
+
 def empty_request_report() -> dict[str, Any]:
     return _RequestRecord().to_json()
 
@@ -249,6 +322,7 @@ __all__ = [
     "NO_REQUEST",
     "ExecutionLedger",
     "InstallReceipt",
+    "LedgerCall",
     "PluginInstallRecord",
     "empty_request_report",
     "jsonable",

@@ -19,6 +19,26 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
 
+#: Built-in acceleration name -> the distribution (under ``plugins/``) that registers it; the ``all`` extra of
+#: the core distribution lists the same distributions.
+def bundled_distribution(name: str) -> str | None:
+    """The distribution of the ``worldfoundry[all]`` extra that provides ``name``, if it is one of them.
+
+    Built-in plugins follow one naming rule (``easycache`` → ``worldfoundry-easycache``); the extra's list in the
+    installed core's metadata says which exist, so core holds no plugin names.
+    """
+    candidate = "worldfoundry-" + name.replace("_", "-")
+    try:
+        requirements = importlib_metadata.requires("worldfoundry") or []
+    except importlib_metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        head, _, marker = requirement.partition(";")
+        base = head.strip().split("==")[0].split(">=")[0].split("[")[0].strip().lower()
+        if base == candidate and "all" in marker:
+            return candidate
+    return None
+
 
 @dataclass(frozen=True)
 class RegisteredAcceleration:
@@ -145,7 +165,7 @@ class AccelerationRegistry:
         self._ensure_discovered()
         with self._lock:
             if name not in self._entries:
-                raise UnknownAccelerationError(name, self._entries)
+                raise self._unknown(name)
             del self._entries[name]
 
     def names(self) -> tuple[str, ...]:
@@ -166,7 +186,13 @@ class AccelerationRegistry:
                 return self._entries[name]
             except KeyError:
                 cause = next((e for e in self._load_errors if e.entry_point == name), None)
-                raise UnknownAccelerationError(name, self._entries) from cause
+                raise self._unknown(name) from cause
+
+    def _unknown(self, name: str) -> UnknownAccelerationError:
+        """The error for ``name`` with what helps: the built-in distribution, or the allowlist that skipped it."""
+        skipped = any(r.entry_point == name and r.status.startswith("skipped") for r in self._load_records)
+        return UnknownAccelerationError(name, self._entries, distribution=bundled_distribution(name),
+                                        skipped_by_allowlist=skipped)
 
     def __contains__(self, name: object) -> bool:
         self._ensure_discovered()

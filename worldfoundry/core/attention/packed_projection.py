@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -266,6 +266,36 @@ class PackedProjection:
         with self._lock:
             counts, self._counts = self._counts, {}
         return counts
+
+    def take_counts_since(self, mark: tuple[int, dict[tuple[str, str], int]]) -> dict[str, int]:
+        """Put the counters back to ``mark`` (from :meth:`count_mark`) and return what was counted since, by event.
+
+        Used while a forward is captured into a CUDA graph: the capture's calls are not executions; what they
+        counted is handed to :meth:`add_counts` once per replay instead.
+        """
+        pending, counts = mark
+        with self._lock:
+            since: dict[str, int] = {}
+            if self._n != pending:
+                since[FUSED] = self._n - pending
+            for (_rid, event), n in self._counts.items():
+                delta = n - counts.get((_rid, event), 0)
+                if delta:
+                    since[event] = since.get(event, 0) + delta
+            self._n = pending
+            self._counts = dict(counts)
+        return since
+
+    def count_mark(self) -> tuple[int, dict[tuple[str, str], int]]:
+        """The counters now (pending fused calls of the running forward and the per-request counts)."""
+        with self._lock:
+            return self._n, dict(self._counts)
+
+    def add_counts(self, events: Mapping[str, int], request_id: str | None = None) -> None:
+        """Count ``events`` (as returned by :meth:`take_counts_since`) for ``request_id`` (default: current)."""
+        for event, n in events.items():
+            if n:
+                self._bump(event, n, request_id)
 
     def verdicts(self) -> dict[str, bool]:
         """Checked geometries (as text) and whether the fused GEMM was bitwise equal there."""

@@ -6,7 +6,7 @@ the backend cannot run the inputs PyTorch raises a plain ``RuntimeError`` ("No a
 viable backend" on CPU). This module turns that into :class:`~worldfoundry.errors.AttentionBackendError`, so an
 explicit backend is either really used or the call fails with a message that names it — never a silent fallback.
 
-Backend names (the ``sdpa_backend`` option of ``optimized_mha``):
+Backend names (what an attention acceleration's ``sdpa_backend`` option selects):
 
 * ``"torch"`` — no restriction, PyTorch's own choice (what the dense model does);
 * ``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"`` — exactly that backend.

@@ -161,7 +161,7 @@ def load_components(
         codec_spec = recipe.component("codec")
         codec_variant = comp_opts.get("codec", {}).get("variant", "wan2.1")
         if codec_spec is not None and codec_variant != "wan2.1":
-            # another codec variant (e.g. the LightVAE student): built by the pipeline from these options
+            # another codec variant (a student codec): built by the pipeline from these options
             loaded.codec_options = {"recipe_default_tiled": bool(codec_spec.get("tiled", False)),
                                     "path": _override_for("codec", overrides), **comp_opts["codec"]}
         elif codec_spec is not None:
@@ -173,7 +173,7 @@ def load_components(
                 name = (unknown or ["vae_fp8_calibration"])[0]
                 raise UnsupportedCodecOptionError(
                     name, "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 encoder "
-                    "calibration needs variant='lightvae-wan21' in component_options['latent_encoder:codec']")
+                    "calibration needs the student codec's variant in component_options['latent_encoder:codec']")
             dtype = _dtype_for("codec", policy, options)
             module, source = _load_module(
                 codec_spec, recipe, subfolder=codec_spec.subfolder, override=_override_for("codec", overrides),
@@ -223,9 +223,15 @@ def _load_text_side(loaded: LoadedComponents, recipe: Recipe, policy: RuntimePol
 def _load_pretrained_tokenizer(recipe: Recipe, spec: ComponentSpec, ckpt: str | None) -> Any:
     from transformers import AutoTokenizer
 
+    from pathlib import Path
+
+    from worldfoundry.core.model_loading.weights import check_component_dir
+
     looked_at = []
     for location in ([ckpt] if ckpt else []) + ([recipe.hf_repo] if recipe.hf_repo else []):
         looked_at.append(f"{location}/{spec.subfolder or 'tokenizer'}")
+        if location == ckpt and (Path(ckpt) / (spec.subfolder or "tokenizer")).is_dir():
+            check_component_dir(Path(ckpt) / (spec.subfolder or "tokenizer"))  # stat every file before reading
         try:
             return AutoTokenizer.from_pretrained(location, subfolder=spec.subfolder or "tokenizer",
                                                  local_files_only=True)

@@ -19,7 +19,7 @@ KNOWN_OPTION_KEYS: Final[frozenset[str]] = frozenset(
         "dit_weight_dtype",  # dtype for DiT weights (fp32 modules stay fp32)
         "text_encoder_dtype",  # dtype for text encoders
         "vae_dtype",  # dtype for the video codec
-        "vae_fp8_calibration",  # LightVAE FP8 encoder calibration artifact path
+        "vae_fp8_calibration",  # path of the video codec's FP8 encoder calibration artifact (read by the codec)
         "progress",  # bool: show tqdm progress bars
     }
 )
@@ -130,9 +130,9 @@ class RuntimePolicy:
 
     Example:
         >>> policy = RuntimePolicy(device="cpu", dtype="fp32",
-        ...                        options={"accelerations": {"easycache": {"threshold": 0.0}}})
+        ...                        options={"accelerations": {"my_kernel": {"scale": 0.5}}})
         >>> policy.accelerations
-        {'easycache': {'threshold': 0.0}}
+        {'my_kernel': {'scale': 0.5}}
     """
 
     device: Any = "cpu"
@@ -200,12 +200,13 @@ class RuntimePolicy:
         """
         from omegaconf import OmegaConf
 
+        from worldfoundry.core.model_loading.input_files import load_yaml_file
+
         try:
             if isinstance(path_or_mapping, Mapping):
-                conf = OmegaConf.create(thaw(path_or_mapping))
-            else:
-                conf = OmegaConf.load(os.fspath(path_or_mapping))
-            data = OmegaConf.to_container(conf, resolve=True)
+                data = OmegaConf.to_container(OmegaConf.create(thaw(path_or_mapping)), resolve=True)
+            else:  # a file is data: stat first, bounded read, no OmegaConf resolvers
+                data = load_yaml_file(path_or_mapping, what="policy config", max_bytes=1 << 20)
         except (OSError, ValueError, TypeError) as exc:
             raise PolicyError(f"cannot read policy config {path_or_mapping!r}: {exc}") from exc
         except Exception as exc:  # OmegaConf raises its own error types for syntax problems

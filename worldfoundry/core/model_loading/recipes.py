@@ -4,6 +4,12 @@ A recipe names the model family, its components (tokenizer, text encoder, option
 denoiser with one or two experts, scheduler, codec) with their classes and configs, request defaults and
 the accelerations that apply. ``offline: true`` recipes build random seeded weights and a local
 tokenizer, so they need no file at all.
+
+A recipe is data. Names are looked up only in ``$WORLDFOUNDRY_RECIPES``, the project's ``recipes/`` and the
+recipes a wheel install carries — never in the working directory; a recipe elsewhere is used only when its
+path is given explicitly. Class references go through
+:func:`~worldfoundry.core.model_loading.class_allowlist.resolve_class`; OmegaConf resolvers (``${oc.env:...}``)
+are refused, plain ``${key}`` interpolations are allowed.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from worldfoundry.errors import RecipeError, UnknownRecipeError
 RECIPES_ENV: Final = "WORLDFOUNDRY_RECIPES"
 FAMILIES: Final = ("wan", "sana_video", "minimax_h3")
 MODES: Final = ("t2v", "i2v", "ti2v", "session")
+#: Largest recipe file accepted.
+MAX_RECIPE_BYTES: Final = 1 << 20
+RECIPE_SUFFIXES: Final = (".yaml", ".yml")
 
 
 def installed_recipe_dirs() -> list[Path]:
@@ -39,15 +48,15 @@ def installed_recipe_dirs() -> list[Path]:
 
 
 def recipe_dirs() -> list[Path]:
-    """Where recipes are looked for: ``$WORLDFOUNDRY_RECIPES`` (``os.pathsep``-separated), the project's
-    ``recipes/`` directory (editable installs), the recipes a wheel install carries, and ``./recipes``."""
+    """Where recipes are looked for by name: ``$WORLDFOUNDRY_RECIPES`` (``os.pathsep``-separated), the project's
+    ``recipes/`` directory (editable installs) and the recipes a wheel install carries. The working directory is
+    never searched: a recipe there is used only through its explicit path."""
     dirs: list[Path] = []
     env = os.environ.get(RECIPES_ENV)
     if env:
         dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
     dirs.append(Path(__file__).resolve().parents[3] / "recipes")
     dirs.extend(installed_recipe_dirs())
-    dirs.append(Path.cwd() / "recipes")
     seen: list[Path] = []
     for d in dirs:
         if d.is_dir() and d.resolve() not in [s.resolve() for s in seen]:
@@ -187,28 +196,47 @@ def parse_recipe(data: Mapping[str, Any], *, path: Path | None = None) -> Recipe
     )
 
 
-def load_recipe(name_or_path: str | os.PathLike[str]) -> Recipe:
-    """Load a recipe by name (``"tiny-wan2.1"``) or by path to a YAML file.
+def is_recipe_path(name_or_path: str | os.PathLike[str]) -> bool:
+    """``True`` when the argument names a recipe file (a ``.yaml``/``.yml`` suffix or a directory part)."""
+    text = os.fspath(name_or_path)
+    return Path(text).suffix in RECIPE_SUFFIXES or os.sep in text or (os.altsep is not None and os.altsep in text)
+
+
+def read_recipe_file(path: Path) -> Recipe:
+    """Read and validate one recipe file (stat first: a regular file of at most :data:`MAX_RECIPE_BYTES`).
 
     Raises:
-        UnknownRecipeError: no recipe of that name (the message lists the known ones).
-        RecipeError: the file is malformed.
+        InputFileError: missing, a directory or special file, too large.
+        RecipeError: not UTF-8 YAML, uses resolvers, or a malformed recipe.
     """
-    from omegaconf import OmegaConf
+    from worldfoundry.core.model_loading.input_files import YamlInputError, load_yaml_file
 
-    candidate = Path(os.fspath(name_or_path))
-    if candidate.suffix in (".yaml", ".yml") and candidate.is_file():
-        path = candidate
-    else:
-        known = available_recipes()
-        key = str(name_or_path)
-        if key not in known:
-            raise UnknownRecipeError(key, known)
-        path = known[key]
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as exc:  # OmegaConf raises several error types for malformed YAML
-        raise RecipeError(f"cannot read recipe file {path}: {exc}") from exc
+        data = load_yaml_file(path, what="recipe file", max_bytes=MAX_RECIPE_BYTES)
+    except YamlInputError as exc:
+        raise RecipeError(f"cannot read recipe file {path}: {exc.reason}") from exc
     if not isinstance(data, dict):
         raise RecipeError(f"recipe file {path}: the top level must be a mapping")
     return parse_recipe(data, path=path)
+
+
+def load_recipe(name_or_path: str | os.PathLike[str]) -> Recipe:
+    """Load a recipe by name (``"tiny-wan2.1"``) or by the explicit path of a YAML file.
+
+    A name is looked up in :func:`recipe_dirs` only (never in the working directory).
+
+    Raises:
+        UnknownRecipeError: no recipe of that name (the message lists the known ones).
+        InputFileError: the path is not a regular recipe file.
+        RecipeError: the file is malformed.
+    """
+    if is_recipe_path(name_or_path):
+        return read_recipe_file(Path(os.fspath(name_or_path)))
+    known = available_recipes()
+    key = str(name_or_path)
+    if key not in known:
+        local = [p for p in (Path("recipes") / f"{key}{s}" for s in RECIPE_SUFFIXES) if p.is_file()]
+        hint = (f"{local[0]} in the working directory is not used by name; pass its path explicitly "
+                f"(e.g. --recipe-file {local[0]}) if you trust it" if local else "")
+        raise UnknownRecipeError(key, known, hint)
+    return read_recipe_file(known[key])

@@ -28,6 +28,7 @@ import difflib
 import io
 import logging
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -109,7 +110,10 @@ class SafetensorsTensorStore:
                 f"{self._path}: safetensors data is little-endian and this host is {sys.byteorder}-endian; "
                 "read the file on a little-endian machine"
             )
-        try:
+        try:  # stat before opening: opening a FIFO would block, a device has no end
+            if not stat.S_ISREG(os.stat(self._path).st_mode):
+                raise CheckpointError(f"{self._path}: not a regular file (a directory, FIFO, socket or device); "
+                                      "pass the path of a .safetensors file")
             with io.FileIO(self._path, "r") as f:
                 st = os.fstat(f.fileno())
                 self._identity = FileIdentity.from_stat(st)

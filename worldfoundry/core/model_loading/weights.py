@@ -1,10 +1,14 @@
 """Building one component's module: random seeded weights, a local diffusers directory, the local Hugging
-Face cache (``local_files_only=True``) or a single original-format file (diffusers' ``from_single_file``)."""
+Face cache (``local_files_only=True``) or a single original-format file (diffusers' ``from_single_file``).
+
+Class references resolve through the allowlist (:mod:`~worldfoundry.core.model_loading.class_allowlist`). Files
+of a ``checkpoint_dir`` are checked before any tensor is read (regular files within size bounds, strict JSON
+configs and indexes, valid safetensors headers, shard names inside the directory); after loading, missing,
+unexpected and mismatched tensors are all reported and NaN/Inf weights are refused."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -17,9 +21,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from worldfoundry.core.model_loading.class_allowlist import resolve_class
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+from worldfoundry.core.model_loading.input_files import (
+    check_finite_tensors,
+    check_input_file,
+    load_json_file,
+)
 from worldfoundry.core.model_loading.recipes import ComponentSpec, Recipe
-from worldfoundry.errors import CheckpointError, MissingWeightsError, RecipeError
+from worldfoundry.errors import CheckpointError, CheckpointKeysError, MissingWeightsError
+
+#: Largest single weight file / JSON file of a checkpoint directory accepted.
+MAX_WEIGHT_FILE_BYTES = 1 << 41
+MAX_CHECKPOINT_JSON_BYTES = 16 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +56,13 @@ class WeightSource:
         return {"component": self.component, "kind": self.kind, "path": self.path, "seed": self.seed}
 
 
-def import_class(path: str | None, *, recipe: str, component: str) -> type:
-    if not path or "." not in path:
-        raise RecipeError(f"recipe {recipe!r}: components.{component}.class must be a dotted class path, got {path!r}")
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RecipeError(f"recipe {recipe!r}: cannot import {path!r} for component {component!r}: {exc}") from exc
+def import_class(path: str | None, *, recipe: str, component: str, field: str = "class") -> type:
+    """Resolve a recipe's class reference through the allowlist (nothing else is ever imported).
+
+    Raises:
+        RecipeError: not a dotted name. ClassNotAllowedError: not on the allowlist.
+    """
+    return resolve_class(path, recipe=recipe, component=component, field=field)
 
 
 @contextlib.contextmanager
@@ -67,7 +81,7 @@ def build_random(spec: ComponentSpec, recipe: Recipe, *, seed: int, device: torc
     init_device = device if device.type == "cuda" else torch.device("cpu")
     with seeded(seed, init_device), torch.device(init_device):
         if spec.config_class:  # transformers: Model(ConfigClass(**config))
-            config_cls = import_class(spec.config_class, recipe=recipe.name, component=spec.name)
+            config_cls = import_class(spec.config_class, recipe=recipe.name, component=spec.name, field="config_class")
             module = cls(config_cls(**dict(spec.config)))
         else:  # diffusers: from_config
             module = cls.from_config(dict(spec.config))
@@ -77,13 +91,55 @@ def build_random(spec: ComponentSpec, recipe: Recipe, *, seed: int, device: torc
     return module.eval().requires_grad_(False)
 
 
+def check_component_dir(where: Path) -> None:
+    """Stat and check every file of a diffusers/transformers component directory before anything reads it.
+
+    Every file must be a regular file within :data:`MAX_WEIGHT_FILE_BYTES`, safetensors files with a valid
+    header; JSON files (config, shard index) must be strict JSON; an index's shard names must be plain
+    file names inside ``where``.
+
+    Raises:
+        InputFileError: a special file, a directory where a file belongs, or a file over its bound.
+        JsonInputError: a malformed JSON file (names the key).
+        CheckpointError: a corrupt safetensors header or a shard outside the directory.
+    """
+    from worldfoundry.core.model_loading.tensor_store import SafetensorsTensorStore
+
+    for file in sorted(where.iterdir()):
+        if file.suffix == ".json":
+            data = load_json_file(file, what="checkpoint JSON file", max_bytes=MAX_CHECKPOINT_JSON_BYTES)
+            shards = data.get("weight_map", {}) if isinstance(data, dict) and file.name.endswith(".index.json") else {}
+            if not isinstance(shards, dict):
+                raise CheckpointError(f"{file}: weight_map must be an object of tensor name -> shard file name")
+            for key, shard in shards.items():
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise CheckpointError(f"{file}: weight_map[{key!r}] = {shard!r} is not a file name inside {where}")
+        elif file.suffix in _WEIGHT_SUFFIXES:
+            check_input_file(file, what="weight file", max_bytes=MAX_WEIGHT_FILE_BYTES)
+            if file.suffix == ".safetensors":
+                SafetensorsTensorStore(file)  # validates the header and the byte layout; reads no tensor
+        elif not file.is_dir():  # tokenizer models, vocabularies, ...: regular files within the bound
+            check_input_file(file, what="checkpoint file", max_bytes=MAX_WEIGHT_FILE_BYTES)
+
+
 def _from_pretrained(cls: type, location: str, subfolder: str | None, dtype: torch.dtype | None) -> nn.Module:
-    kwargs: dict[str, Any] = {"local_files_only": True}
+    kwargs: dict[str, Any] = {"local_files_only": True, "output_loading_info": True}
     if subfolder:
         kwargs["subfolder"] = subfolder
     if dtype is not None:
         kwargs["torch_dtype"] = dtype
-    return cls.from_pretrained(location, **kwargs)
+    module, info = cls.from_pretrained(location, **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = [f"{m[0]} {tuple(m[1])} != {tuple(m[2])}" if isinstance(m, tuple | list) and len(m) == 3 else str(m)
+                  for m in (info.get("mismatched_keys") or ())]
+    where = f"{location}/{subfolder or '.'}"
+    if missing or unexpected:
+        raise CheckpointKeysError(where, missing, unexpected,
+                                  f"Use the {cls.__name__} checkpoint written for this configuration (config.json).")
+    if mismatched:
+        raise CheckpointError(f"{where}: {len(mismatched)} tensor(s) with the wrong shape: {', '.join(mismatched[:4])}")
+    return module
 
 
 def hf_cache_dir(repo: str) -> Path:
@@ -107,6 +163,10 @@ def load_pretrained(spec: ComponentSpec, recipe: Recipe, *, subfolder: str | Non
         where = Path(checkpoint_dir) / (subfolder or "")
         looked_at.append(str(where))
         if (where / "config.json").is_file():
+            try:
+                check_component_dir(where)
+            except CheckpointError as exc:
+                raise CheckpointError(f"recipe {recipe.name!r}: component {spec.name!r}: {exc}") from exc
             candidates.append(("diffusers_dir", str(checkpoint_dir)))
     if recipe.hf_repo:
         cache = hf_cache_dir(recipe.hf_repo)
@@ -116,6 +176,8 @@ def load_pretrained(spec: ComponentSpec, recipe: Recipe, *, subfolder: str | Non
     for kind, location in candidates:
         try:
             module = _from_pretrained(cls, location, subfolder, dtype)
+        except CheckpointError:
+            raise
         except OSError as exc:
             text = str(exc)
             if kind == "hf_cache" or "no file named" in text.lower() or "does not appear to have" in text:
@@ -130,7 +192,9 @@ def load_pretrained(spec: ComponentSpec, recipe: Recipe, *, subfolder: str | Non
                 f"recipe {recipe.name!r}: cannot read component {spec.name!r} from {location} "
                 f"(subfolder {subfolder}): {type(exc).__name__}: {exc}"
             ) from exc
-        return module.to(device).eval().requires_grad_(False), WeightSource(spec.name, kind, location)
+        module = module.to(device).eval().requires_grad_(False)
+        check_finite_tensors(module.state_dict(), where=f"{location} ({spec.name}, subfolder {subfolder or '.'})")
+        return module, WeightSource(spec.name, kind, location)
     raise MissingWeightsError(recipe.name, spec.name, looked_at)
 
 
@@ -156,6 +220,7 @@ def load_single_file(spec: ComponentSpec, recipe: Recipe, path: str | os.PathLik
         raise MissingWeightsError(recipe.name, spec.name, [str(file)], "Check the checkpoint_overrides path.")
     if file.suffix not in (".safetensors", ".pth", ".pt", ".ckpt", ".bin"):
         raise CheckpointError(f"{file}: unsupported checkpoint suffix {file.suffix!r} (use .safetensors or .pth)")
+    check_input_file(file, what="checkpoint file", max_bytes=MAX_WEIGHT_FILE_BYTES)
     cls = import_class(spec.class_path, recipe=recipe.name, component=spec.name)
     if not hasattr(cls, "from_single_file"):
         raise CheckpointError(f"recipe {recipe.name!r}: {cls.__name__} has no single-file loader in diffusers")
@@ -168,7 +233,9 @@ def load_single_file(spec: ComponentSpec, recipe: Recipe, path: str | os.PathLik
     except Exception as exc:
         raise CheckpointError(f"recipe {recipe.name!r}: cannot load {spec.name!r} from single file {file}: "
                               f"{type(exc).__name__}: {exc}") from exc
-    return module.to(device).eval().requires_grad_(False), WeightSource(spec.name, "single_file", str(file))
+    module = module.to(device).eval().requires_grad_(False)
+    check_finite_tensors(module.state_dict(), where=f"{file} ({spec.name})")
+    return module, WeightSource(spec.name, "single_file", str(file))
 
 
 def check_config_matches(module: nn.Module, spec: ComponentSpec, recipe: Recipe) -> None:

@@ -136,6 +136,7 @@ class BlockOffloadEngine:
         device: the compute device (``cuda:k``, or ``cpu`` for the emulated mode).
         num_slots: streaming slots (2).
         alignment: byte alignment of tensors inside slabs and slots.
+        owner: who offloads, named in refusals ("uninstall <owner> first"): the acceleration's name.
 
     Raises:
         ValueError: bad indices or an unsupported device.
@@ -143,7 +144,7 @@ class BlockOffloadEngine:
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], resident_indices: Sequence[int], *,
                  contiguous: bool, device: torch.device, num_slots: int = DEFAULT_NUM_SLOTS,
-                 alignment: int = TENSOR_ALIGNMENT) -> None:
+                 alignment: int = TENSOR_ALIGNMENT, owner: str = "block offload") -> None:
         n = len(blocks)
         indices = tuple(sorted(set(int(i) for i in resident_indices)))
         if len(indices) != len(tuple(resident_indices)) or any(not 0 <= i < n for i in indices):
@@ -153,6 +154,7 @@ class BlockOffloadEngine:
         self.resident_indices = indices
         self.num_slots = num_slots
         self.alignment = alignment
+        self.owner = owner
         self._blocks: list[_Block] = []
         for i, (path, module) in enumerate(blocks):
             named = block_parameters(module)
@@ -305,7 +307,7 @@ class BlockOffloadEngine:
         with self._lock:
             if self._request is not None:
                 active = () if self._request.implicit else (self._request.request_id,)
-                raise ModelBusyError("begin another request under resident_blocks", active, int(self._in_forward))
+                raise ModelBusyError(f"begin another request under {self.owner}", active, int(self._in_forward))
             self._request = _RequestState(request_id, implicit=False)
         try:
             self._ensure_residents(self.backend.current_stream())
@@ -413,7 +415,7 @@ class BlockOffloadEngine:
         with self._lock:
             if self._in_forward:
                 if self._forward_thread != me:
-                    raise ModelBusyError("run a concurrent forward under resident_blocks", (), 1)
+                    raise ModelBusyError(f"run a concurrent forward under {self.owner}", (), 1)
                 stale = True
             else:
                 stale = False
@@ -536,8 +538,8 @@ class BlockOffloadEngine:
             for name, p, t in zip(block.names, block.params, expected):
                 if p.data_ptr() != t.data_ptr() or p.dtype != t.dtype or p.device != t.device:
                     raise InferenceViewError(
-                        f"{block.path}.{name} was replaced or moved while resident_blocks offloads it "
-                        "(model.to(), a dtype change or a parameter swap); uninstall resident_blocks first, "
+                        f"{block.path}.{name} was replaced or moved while {self.owner} offloads it "
+                        f"(model.to(), a dtype change or a parameter swap); uninstall {self.owner} first, "
                         "change the model, then install again"
                     )
 

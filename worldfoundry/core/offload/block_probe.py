@@ -18,19 +18,18 @@ Inputs follow what the model's own forward hands its blocks:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import torch.nn as nn
 
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+from worldfoundry.core.model_loading.input_files import load_json_file
 from worldfoundry.errors import CheckpointError, RecipeError
 
 #: Families whose block inputs the estimator knows how to build.
@@ -41,6 +40,18 @@ WAN_TEXT_TOKENS: Final = 512
 WAN_IMAGE_TOKENS: Final = 257
 H3_TEXT_TOKENS: Final = 512
 _SAFETENSORS_INDEX: Final = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class BlockFamily(Protocol):
+    """What the probe needs to know of a model family: its name and its ``(path, block)`` list."""
+
+    name: str
+
+    def blocks(self, model: nn.Module) -> Sequence[tuple[str, nn.Module]]: ...
+
+
+#: ``family_of(model) -> BlockFamily``; raises for an unsupported model (the model layer supplies it).
+FamilyLookup = Callable[[nn.Module], BlockFamily]
 
 
 @dataclass(frozen=True)
@@ -72,13 +83,10 @@ class DiTSource:
 
 
 def _import(path: str) -> type:
-    import importlib
+    """The DiT class through the recipe class allowlist (a config file never imports arbitrary code)."""
+    from worldfoundry.core.model_loading.class_allowlist import resolve_class
 
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise RecipeError(f"cannot import DiT class {path!r}: {exc}") from exc
+    return resolve_class(path, recipe="estimate-residency", component="denoiser")
 
 
 def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | None = None) -> DiTSource:
@@ -101,7 +109,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
     text_tokens = None
     strides: dict[str, Any] = {}
     if path.suffix == ".json" and path.is_file():
-        config = json.loads(path.read_text())
+        config = load_json_file(path, what="transformer config")
         class_name = config.get("_class_name")
         if not class_name:
             raise RecipeError(f"{path}: a diffusers config needs a _class_name")
@@ -133,7 +141,7 @@ def resolve_dit_source(recipe: str, checkpoint_dir: str | os.PathLike[str] | Non
             raise CheckpointError(f"checkpoint directory {weights_dir} does not exist")
         cfg_file = weights_dir / "config.json"
         if cfg_file.is_file():
-            ckpt_config = json.loads(cfg_file.read_text())
+            ckpt_config = load_json_file(cfg_file, what="transformer config")
             config = {k: v for k, v in ckpt_config.items() if not k.startswith("_")}
             origin = str(cfg_file)
     return DiTSource(str(recipe), class_path, {k: v for k, v in config.items() if not k.startswith("_")},
@@ -171,7 +179,7 @@ def _read_block_tensors(weights_dir: Path, prefix: str) -> dict[str, torch.Tenso
 
     index = weights_dir / _SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = load_json_file(index, what="safetensors index").get("weight_map", {})
         files = sorted({weights_dir / f for k, f in weight_map.items() if k.startswith(prefix)})
     else:
         files = sorted(weights_dir.glob("*.safetensors"))
@@ -201,12 +209,14 @@ def _random_init(block: nn.Module, seed: int, device: torch.device) -> None:
                 p.normal_(0.0, 0.02)
 
 
-def build_probe_block(source: DiTSource, *, device: torch.device, dtype: torch.dtype, random_weights: bool,
-                      index: int = 0, seed: int = 0) -> ProbeBlock:
+def build_probe_block(source: DiTSource, *, family_of: FamilyLookup, device: torch.device, dtype: torch.dtype,
+                      random_weights: bool, index: int = 0, seed: int = 0) -> ProbeBlock:
     """Materialise block ``index`` of the DiT on ``device``.
 
     Args:
         source: from :func:`resolve_dit_source`.
+        family_of: the model layer's family lookup (which modules are the blocks); handed down, so this
+            module does not depend on the model layer.
         device / dtype: where and in which compute dtype (fp32-kept modules stay fp32).
         random_weights: seeded random weights instead of the checkpoint's.
         index: which block (all blocks of the supported families have the same shape).
@@ -219,7 +229,7 @@ def build_probe_block(source: DiTSource, *, device: torch.device, dtype: torch.d
     cls = _import(source.class_path)
     with torch.device("meta"):
         model = cls.from_config(dict(source.config))
-    family = family_of(model, plugin="estimate-residency")
+    family = family_of(model)
     if family.name not in ESTIMATOR_FAMILIES:
         raise RecipeError(f"estimate-residency builds block inputs for {ESTIMATOR_FAMILIES}, not {family.name!r}")
     blocks = family.blocks(model)

@@ -12,9 +12,8 @@ account for free device memory (slots, non-block weights and activations also li
 
 ``copy_utilisation`` u (default 1, the rule above) scales the budget to ``(N − r) · d ≤ u · N · c``. At u = 1 the
 copy stream is busy almost the whole forward; a two-slot pipeline cannot keep it that busy without the compute
-waiting now and then, and host-to-device DMA running next to the compute slows some kernels. Measured on an H200
-at W17 (Wan2.1-1.3B, 3,600 tokens, contiguous layout): u = 1 gives r = 8 and 1.10–1.14× the resident forward,
-u = 0.85 gives r = 11 and 1.06–1.09× (fastest samples of the runs, ``docs/performance.md``).
+waiting now and then, and host-to-device DMA running next to the compute slows some kernels. What each u gave
+on real hardware is recorded in ``docs/performance.md``, not here.
 
 The r resident blocks are spread evenly (:func:`uniform_resident_indices`) so the copy stream gets regular
 windows in which a resident block computes without needing a copy.
@@ -37,18 +36,10 @@ The config and the report record both r values, their predicted waits, c, d, N a
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
-
-#: File names the estimator writes into its output directory.
-CONFIG_FILENAME: Final = "resident_blocks_config.json"
-REPORT_JSON_FILENAME: Final = "resident_blocks_report.json"
-REPORT_MD_FILENAME: Final = "resident_blocks_report.md"
 
 #: The rules that choose r; :data:`DEFAULT_RULE` is the two-slot schedule model.
 RULES: Final = ("schedule", "budget")
@@ -250,16 +241,6 @@ class ResidencyEstimate:
                 two_slot_copy_wait_ms(n, c, d, uniform_resident_indices(n, r)), 4)
         return out
 
-    def to_config(self) -> dict[str, Any]:
-        """The inference config (``{"resident_blocks": {"config": <path>}}`` reads it); ``estimate`` is informative."""
-        return {
-            "offload_resident_blocks": self.resident,
-            "cpu_offload_block_contiguous": self.contiguous,
-            "resident_block_indices": list(self.indices),
-            "num_blocks": self.num_blocks,
-            "estimate": self.rule_comparison(),
-        }
-
     def to_report(self) -> dict[str, Any]:
         n, c, d = self.num_blocks, self.compute_ms, self.transfer_ms
         return {
@@ -306,50 +287,3 @@ def estimate_residency(num_blocks: int, compute_ms: float, transfer_ms: float, *
         copy_utilisation=float(copy_utilisation),
         rule=rule,
     )
-
-
-def _markdown(report: Mapping[str, Any]) -> str:
-    lines = [
-        "# resident_blocks residency estimate",
-        "",
-        f"r = **{report['resident']}** of N = {report['num_blocks']} blocks resident "
-        f"(indices {report['resident_block_indices']}); {report['streamed']} streamed through two slots.",
-        "",
-        "| quantity | value |",
-        "|---|---|",
-    ]
-    keys = ("recipe", "device", "device_name", "dtype", "layout", "weights", "block_path", "block_bytes",
-            "tokens", "input_shapes", "compute_ms", "transfer_ms", "transfer_gb_per_s", "warmup", "samples",
-            "copy_utilisation", "copy_need_ms_per_forward", "copy_budget_ms_per_forward",
-            "two_slot_predicted_copy_wait_ms_per_forward", "two_slot_resident_without_waits", "emulated", "torch",
-            "diffusers")
-    for key in keys:
-        if key in report:
-            lines.append(f"| {key} | {report[key]} |")
-    rules = report["rules"]
-    lines += ["", f"Rule: {report['rule']} ({report['rule_text']}).", "",
-              "| rule | r | predicted copy wait (ms per forward) |", "|---|---|---|"]
-    lines += [f"| {name}{' (used)' if name == report['rule'] else ''} | {rules[f'{name}_resident']} | "
-              f"{rules[f'{name}_predicted_copy_wait_ms']} |" for name in RULES]
-    lines += ["", f"Note: {report['note']}.", ""]
-    return "\n".join(lines)
-
-
-def write_estimate(estimate: ResidencyEstimate, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write the config JSON and the report (JSON and Markdown) into ``out_dir`` (created if needed).
-
-    Returns:
-        ``{"config": path, "report_json": path, "report_md": path}``.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "config": out / CONFIG_FILENAME,
-        "report_json": out / REPORT_JSON_FILENAME,
-        "report_md": out / REPORT_MD_FILENAME,
-    }
-    report = estimate.to_report()
-    paths["config"].write_text(json.dumps(estimate.to_config(), indent=2) + "\n")
-    paths["report_json"].write_text(json.dumps(report, indent=2) + "\n")
-    paths["report_md"].write_text(_markdown(report))
-    return paths

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from worldfoundry.core.offload.host_storage import HostBlockStorage
 from worldfoundry.core.offload.streams import backend_for
+from worldfoundry.core.timing import timing_events
 
 DEFAULT_WARMUP = 3
 DEFAULT_SAMPLES = 10
@@ -100,7 +101,7 @@ def time_block_compute(block: nn.Module, make_inputs: Callable[[], Mapping[str, 
                 batch = [make_inputs() for _ in range(k)]
                 if cycles:
                     torch.cuda._sleep(cycles)  # the device spins while the host queues the whole sample
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = timing_events()
                 start.record(stream)
                 for inputs in batch:
                     block(**inputs)
@@ -149,7 +150,7 @@ def _priming_cycles(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any
     enqueue_ms = (time.perf_counter() - t0) * 1000.0
     del batch
     probe = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = timing_events()
     torch.cuda.synchronize(device)
     start.record()
     sleep(probe)
@@ -183,7 +184,7 @@ def time_block_transfer(storage: HostBlockStorage, *, device: torch.device, warm
                 storage.copy_to(buffer, views, non_blocking=True)
             pairs = []
             for _ in range(samples):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = timing_events()
                 start.record(stream)
                 storage.copy_to(buffer, views, non_blocking=True)
                 end.record(stream)

@@ -9,12 +9,20 @@ transfers, like copies from ``pin_memory=True`` tensors.
 
 When registration is not possible the buffer falls back to the caching host allocator (logged, and visible
 as :attr:`PinnedBuffer.method`).
+
+``Tensor.is_pinned()`` asks the caching host allocator in recent PyTorch releases and so does not see memory
+registered with ``cudaHostRegister``. :func:`is_page_locked` answers for both: the caching allocator, then
+CUDA itself (``cudaPointerGetAttributes`` of the loaded CUDA runtime), then this module's own record of the
+ranges it registered.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
+import threading
 import weakref
 from typing import Final
 
@@ -25,6 +33,82 @@ logger = logging.getLogger(__name__)
 PAGE_BYTES: Final = mmap.PAGESIZE
 #: ``cudaHostRegisterPortable``: the pages count as pinned for every CUDA context of the process.
 _REGISTER_PORTABLE: Final = 1
+#: ``cudaMemoryTypeHost`` in ``cudaPointerAttributes.type`` (CUDA 11 and newer).
+_CUDA_MEMORY_TYPE_HOST: Final = 1
+
+#: ``[start, end)`` host ranges registered by live :class:`PinnedBuffer` objects, keyed by start address.
+_registered: dict[int, int] = {}
+_registered_lock = threading.Lock()
+
+
+class _CudaPointerAttributes(ctypes.Structure):
+    # the four documented fields, then room for any reserved fields a newer CUDA appends (it writes only its
+    # own sizeof; a larger buffer is harmless, a smaller one would be overrun)
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("_reserved", ctypes.c_long * 32)]
+
+
+@functools.lru_cache(maxsize=1)
+def _cudart_library() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded (found in ``/proc/self/maps``), or ``None``."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+            library.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_CudaPointerAttributes), ctypes.c_void_p]
+            library.cudaPointerGetAttributes.restype = ctypes.c_int
+            return library
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def cuda_reports_page_locked(ptr: int) -> bool | None:
+    """What ``cudaPointerGetAttributes`` says about a host address: ``True`` when CUDA knows it as page-locked
+    host memory, ``False`` when not, ``None`` when the CUDA runtime cannot be asked here."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    library = _cudart_library()
+    if library is None:
+        return None
+    attributes = _CudaPointerAttributes()
+    if library.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(ptr)) != 0:
+        _clear_cuda_error(torch.device("cuda"))
+        return False
+    return attributes.type == _CUDA_MEMORY_TYPE_HOST
+
+
+def registered_by_this_process(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies inside a range a live :class:`PinnedBuffer` registered."""
+    with _registered_lock:
+        return any(start <= ptr and ptr + nbytes <= end for start, end in _registered.items())
+
+
+def is_page_locked(tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor's memory is page-locked, by either pinning method.
+
+    Args:
+        tensor: a CPU tensor.
+
+    Returns:
+        ``True`` for caching-allocator pinned memory (``Tensor.is_pinned()``) and for memory registered with
+        ``cudaHostRegister`` (asked of CUDA where its runtime can be reached, else this module's record).
+    """
+    if tensor.device.type != "cpu":
+        return False
+    if tensor.is_pinned():
+        return True
+    ptr = tensor.data_ptr()
+    answer = cuda_reports_page_locked(ptr)
+    if answer is not None:
+        return answer
+    return registered_by_this_process(ptr, tensor.numel() * tensor.element_size())
 
 
 def _cuda_call_ok(result: object) -> bool:
@@ -45,6 +129,8 @@ def _clear_cuda_error(device: torch.device) -> None:
 
 
 def _unregister(ptr: int, device: torch.device) -> None:
+    with _registered_lock:
+        _registered.pop(ptr, None)
     try:
         torch.cuda.synchronize(device)  # no copy may still read the pages
         if not _cuda_call_ok(torch.cuda.cudart().cudaHostUnregister(ptr)):
@@ -76,6 +162,8 @@ class PinnedBuffer:
         except (RuntimeError, AttributeError) as exc:
             logger.debug("cudaHostRegister unavailable: %s", exc)
         if ok:
+            with _registered_lock:
+                _registered[region.data_ptr()] = region.data_ptr() + span
             self.tensor = region.narrow(0, 0, self.nbytes)
             self._raw: torch.Tensor | None = raw
             self._finalizer = weakref.finalize(self, _unregister, region.data_ptr(), self.device)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from worldfoundry.core.timing import timing_events
 from worldfoundry.errors import OffloadScheduleError
 
 _MAX_PENDING_TIMERS = 8192
@@ -151,8 +152,7 @@ class CudaBackend:
         if pool:
             start, end = pool.pop()
         else:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start, end = timing_events()
         start.record(stream)
         stream.wait_event(event)
         end.record(stream)

@@ -13,11 +13,15 @@ import torch.nn as nn
 from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import (
     QKV_PER_HEAD_INTERLEAVED,
 )
-from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
-from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.core.acceleration.session import AccelerationSession, get_session
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError, SessionAlreadyInstalledError
+from worldfoundry.plugin import (
+    AccelerationRefusedError,
+    AccelerationRegistry,
+    AccelerationSession,
+    RuntimePolicy,
+    SessionAlreadyInstalledError,
+    get_session,
+    install_diffusion_accelerations,
+)
 from worldfoundry_attention_lora.options import NAME
 
 DISTRIBUTION = "worldfoundry-attention-lora"

@@ -12,15 +12,13 @@ from torch import nn
 from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import (
     AttentionLoraPlan,
 )
-from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.lora import (
     LoraKernelStats,
     LoraProjection,
     SharedDownProjection,
     stack_down_groups,
 )
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle
 from worldfoundry_attention_lora.options import NAME
 
 logger = logging.getLogger(__name__)

@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import (
     QKV_LAYOUTS,
     QKV_PER_HEAD_INTERLEAVED,
 )
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry.plugin import AccelerationOptionsError, PluginOptions, choice, file_path, integer, number, option
+from worldfoundry.plugin import optional
 
 NAME: Final = "attention_lora"
 REQUIRED_KEYS: Final = ("path", "rank", "scale")
 OPTIONAL_KEYS: Final = ("qkv_layout",)
 #: Largest accepted rank (a sanity bound; the Triton down kernel handles stacked ranks up to 128).
 MAX_RANK: Final = 1024
+_EXAMPLE: Final = '{"path": "attention-adapter.safetensors", "rank": 8, "scale": -1.0}'
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """Validated options.
 
     Attributes:
@@ -38,36 +38,23 @@ class Options:
         AccelerationOptionsError: a value is missing, of the wrong type or out of range.
     """
 
-    path: str | None
-    rank: int
-    scale: float
-    qkv_layout: str = QKV_PER_HEAD_INTERLEAVED
+    plugin_name: ClassVar[str] = NAME
+    error_format: ClassVar[str] = "{path} must be {expected}, got {value}"
 
-    def __post_init__(self) -> None:
-        if self.path is not None:
-            if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
-                raise AccelerationOptionsError(NAME, f"path must be a non-empty file path, got {self.path!r}")
-            object.__setattr__(self, "path", os.fspath(self.path))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
-            raise AccelerationOptionsError(NAME, f"rank must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float):
-            raise AccelerationOptionsError(NAME, f"scale must be a number in [-1, 1], got {self.scale!r}")
-        scale = float(self.scale)
-        if not math.isfinite(scale) or not -1.0 <= scale <= 1.0:
-            raise AccelerationOptionsError(
-                NAME, f"scale must be in [-1, 1] (alpha/rank folded in), got {self.scale!r}"
-            )
-        object.__setattr__(self, "scale", scale)
-        if self.qkv_layout not in QKV_LAYOUTS:
-            raise AccelerationOptionsError(NAME, f"qkv_layout must be one of {list(QKV_LAYOUTS)}, got {self.qkv_layout!r}")
+    path: str | None = option(check=optional(file_path()))
+    rank: int = option(check=integer(min=1, max=MAX_RANK))
+    scale: float = option(check=number(min=-1.0, max=1.0, expected="in [-1, 1] (alpha/rank folded in)",
+                                       type_expected="a number in [-1, 1]"))
+    qkv_layout: str = option(QKV_PER_HEAD_INTERLEAVED, choice(*QKV_LAYOUTS))
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any], *, path_required: bool = True) -> Options:
+    def from_mapping(cls, mapping: Mapping[str, Any], *, path_required: bool = True, path: str = "") -> Options:
         """Parse a spec mapping, rejecting unknown keys by name.
 
         Args:
             mapping: the options of the ``attention_lora`` spec entry.
             path_required: ``False`` when the adapter state is supplied in memory (then ``path`` must be absent).
+            path: the JSON path of ``mapping`` for error messages.
 
         Returns:
             The validated :class:`Options`.
@@ -75,27 +62,14 @@ class Options:
         Raises:
             AccelerationOptionsError: unknown or missing keys, or invalid values.
         """
-        if not isinstance(mapping, Mapping):
-            raise AccelerationOptionsError(NAME, f"options must be a mapping, got {type(mapping).__name__}")
-        known = set(REQUIRED_KEYS) | set(OPTIONAL_KEYS)
-        unknown = sorted(str(k) for k in mapping if k not in known)
-        if unknown:
-            raise AccelerationOptionsError(NAME, f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        values = dict(cls.check_mapping(mapping, path=path))
         required = REQUIRED_KEYS if path_required else tuple(k for k in REQUIRED_KEYS if k != "path")
-        missing = [k for k in required if k not in mapping]
+        missing = [k for k in required if k not in values]
         if missing:
             raise AccelerationOptionsError(
-                NAME, f"missing required option(s) {missing}; give path, rank and scale together, e.g. "
-                      '{"path": "attention-adapter.safetensors", "rank": 8, "scale": -1.0}'
-            )
-        if not path_required and "path" in mapping:
-            raise AccelerationOptionsError(NAME, "path cannot be combined with an adapter state given in memory")
-        return cls(
-            path=mapping.get("path"),
-            rank=mapping["rank"],
-            scale=mapping["scale"],
-            qkv_layout=mapping.get("qkv_layout", QKV_PER_HEAD_INTERLEAVED),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "scale": self.scale, "qkv_layout": self.qkv_layout}
+                NAME, f"missing required option(s) {missing}; give path, rank and scale together, e.g. {_EXAMPLE}")
+        if not path_required:
+            if "path" in values:
+                raise AccelerationOptionsError(NAME, "path cannot be combined with an adapter state given in memory")
+            values["path"] = None
+        return cls.build(values, path=path)

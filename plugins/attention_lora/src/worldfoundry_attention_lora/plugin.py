@@ -13,16 +13,14 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_forma
     AttentionLoraPlan,
     parse_attention_lora,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
+from worldfoundry.plugin import (
+    ROLE_ATTENTION_ADAPTER,
+    AccelerationRefusedError,
+    PreparedAcceleration,
+    RuntimePolicy,
     refuse_common,
     refuse_module_hooks,
 )
-from worldfoundry.core.acceleration.prepared import (
-    ROLE_ATTENTION_ADAPTER,
-    PreparedAcceleration,
-)
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError
 from worldfoundry_attention_lora.handle import activate_attention_lora
 from worldfoundry_attention_lora.options import NAME, Options
 from worldfoundry_attention_lora.source import AdapterSource, load_adapter_file
@@ -148,9 +146,6 @@ def make_prepare(source: AdapterSource | None = None) -> PrepareFactory:
 prepare_attention_lora: Final = make_prepare()
 
 
-prepare_attention_lora.options_class = Options  # model-free option validation (worldfoundry bench)
-
-
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
-    register(NAME, prepare_attention_lora)
+    register(NAME, prepare_attention_lora, options=Options)

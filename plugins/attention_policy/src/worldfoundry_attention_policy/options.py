@@ -140,7 +140,7 @@ class Options(PluginOptions):
         if "on_unavailable" in options:
             values["on_unavailable"] = options["on_unavailable"]
         values["cross_shorthand"] = "cross" in options
-        return cls._build(values, path)  # type: ignore[return-value]
+        return cls.build(values, path=path)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {kind: (p.to_json() if p is not None else None) for kind, p in self.policies().items()}

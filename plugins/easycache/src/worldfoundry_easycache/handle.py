@@ -23,14 +23,17 @@ import torch
 import torch.nn as nn
 
 from worldfoundry.core.acceleration.caching import ConditionSnapshot, dense_gate
-from worldfoundry.core.acceleration.context import current_request
-from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.prepared import ROOT_MODULE
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.acceleration.schedule import RequestSchedule
-from worldfoundry.core.acceleration.session import SESSION_ATTRIBUTE
-from worldfoundry.errors import InvalidRequestError, RequestError
+from worldfoundry.plugin import (
+    ROOT_MODULE,
+    ExecutionLedger,
+    InvalidRequestError,
+    PatchRecorder,
+    RecordedHandle,
+    RequestError,
+    current_request,
+    get_session,
+)
 from worldfoundry_easycache.options import PLUGIN_NAME, Options
 from worldfoundry_easycache.refusals import RUNTIME_CONTROL_ARGUMENTS
 from worldfoundry_easycache.request_state import Admission, BranchRecord, RequestState
@@ -168,12 +171,12 @@ class EasyCacheHandle(RecordedHandle):
     # ------------------------------------------------------------------ expert resolution
     def _session_models(self) -> dict[str, nn.Module]:
         model = self._model_ref()
-        session = model.__dict__.get(SESSION_ATTRIBUTE) if model is not None else None
+        session = get_session(model) if model is not None else None
         return session.models if session is not None else ({"model": model} if model is not None else {})
 
     def _resolve_expert(self, schedule: RequestSchedule) -> tuple[str, dict[str, Any]]:
         model = self._model_ref()
-        session = model.__dict__.get(SESSION_ATTRIBUTE) if model is not None else None
+        session = get_session(model) if model is not None else None
         experts = [p.expert for p in schedule.phases]
         models = session.models if session is not None else {}
         if len(models) <= 1:

@@ -8,15 +8,15 @@ from typing import Any
 import torch.nn as nn
 
 import worldfoundry
-from worldfoundry.core.acceleration.prepared import (
+from worldfoundry.plugin import (
     ROLE_APPROXIMATE_ATTENTION,
     ROLE_FEATURE_CACHE,
     ROLE_OFFLOAD,
     ROOT_MODULE,
     PreparedAcceleration,
+    RuntimePolicy,
     role,
 )
-from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry_easycache.handle import EasyCacheHandle
 from worldfoundry_easycache.options import PLUGIN_NAME, Options
 from worldfoundry_easycache.refusals import check_model, latent_channels
@@ -67,10 +67,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     )
 
 
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
-
-
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Register ``easycache``."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)

@@ -8,11 +8,7 @@ from typing import Final
 
 import torch.nn as nn
 
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
-    refuse_common,
-)
-from worldfoundry.errors import AccelerationRefusedError
+from worldfoundry.plugin import AccelerationRefusedError, family_of, refuse_common
 from worldfoundry_easycache.options import PLUGIN_NAME
 
 #: Forward arguments of streaming / causal models (rolling KV caches, chunked generation).

@@ -17,9 +17,8 @@ from worldfoundry.core.acceleration.caching import (
     ConditionSnapshot,
     TransformationCache,
 )
-from worldfoundry.core.acceleration.context import RequestContext
 from worldfoundry.core.acceleration.schedule import RequestSchedule, ScheduleTracker
-from worldfoundry.errors import RequestError
+from worldfoundry.plugin import RequestContext, RequestError
 from worldfoundry_easycache.options import PLUGIN_NAME
 
 BRANCHES: Final = ("cond", "uncond")

@@ -17,9 +17,6 @@ import torch
 from torch import nn
 
 from worldfoundry.base_models.diffusion_model.codec_fp8 import BoundConvolution
-from worldfoundry.core.acceleration.context import current_request_id
-from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.fp8_conv import (
     PackedFp8Conv,
     activation_scale,
@@ -28,8 +25,7 @@ from worldfoundry.core.acceleration.quantization.fp8_conv import (
     fp8_conv3d_reference,
     pack_conv_weight,
 )
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
-from worldfoundry.errors import InferenceViewError
+from worldfoundry.plugin import ExecutionLedger, InferenceViewError, PatchRecorder, RecordedHandle, current_request_id
 from worldfoundry_lightvae.options import PLUGIN_NAME, Options
 
 logger = logging.getLogger(__name__)

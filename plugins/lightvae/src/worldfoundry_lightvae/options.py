@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import ClassVar, Final
 
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry.plugin import (
+    OptionValueError,
+    PluginOptions,
+    boolean,
+    choice,
+    file_path,
+    integer,
+    option,
+    optional,
+    string,
+)
 
 PLUGIN_NAME: Final = "lightvae"
 BACKENDS: Final = ("auto", "scaled_mm", "reference")
+#: Largest im2col chunk bound in MiB (1 TiB).
+MAX_WORKSPACE_MB: Final = 1 << 20
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """Options of the ``lightvae`` acceleration (FP8 student encoder).
 
     Args:
@@ -36,47 +46,17 @@ class Options:
         'auto'
     """
 
-    calibration: str = ""
-    backend: str = "auto"
-    count_clipping: bool = True
-    checkpoint_sha256: str | None = None
-    workspace_mb: int = 256
+    plugin_name: ClassVar[str] = PLUGIN_NAME
 
-    def __post_init__(self) -> None:
-        if isinstance(self.calibration, os.PathLike):
-            object.__setattr__(self, "calibration", os.fspath(self.calibration))
-        if not isinstance(self.calibration, str) or not self.calibration:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, "calibration: the path of an FP8 calibration artifact is required "
-                "(benchmarks/inference/calibrate_plugins.py lightvae_fp8 writes one)"
-            )
-        if self.backend not in BACKENDS:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"backend: expected one of {list(BACKENDS)}, got {self.backend!r}")
-        if not isinstance(self.count_clipping, bool):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"count_clipping: expected true/false, got {self.count_clipping!r}")
-        sha = self.checkpoint_sha256
-        if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"checkpoint_sha256: expected 64 hex digits, got {sha!r}")
-        mb = self.workspace_mb
-        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"workspace_mb: expected an integer >= 1, got {mb!r}")
+    calibration: str | None = option(None, optional(file_path(expected="the path of an FP8 calibration artifact")))
+    backend: str = option("auto", choice(*BACKENDS))
+    count_clipping: bool = option(True, boolean())
+    checkpoint_sha256: str | None = option(None, optional(string(min_length=64, max_length=64,
+                                                                 expected="64 hex digits")))
+    workspace_mb: int = option(256, integer(min=1, max=MAX_WORKSPACE_MB))
 
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, Any] | None) -> Options:
-        """Build from the spec mapping; unknown keys are rejected by name.
-
-        Raises:
-            AccelerationOptionsError: unknown key, missing calibration, wrong type or value.
-        """
-        if options is None:
-            options = {}
-        if not isinstance(options, Mapping):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"options: expected a mapping, got {type(options).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in options if k not in known)
-        if unknown:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"unknown option(s) {unknown}; known options: {sorted(known)}")
-        return cls(**{str(k): v for k, v in options.items()})
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def validate(self) -> None:
+        if self.calibration is None:
+            raise OptionValueError(
+                "calibration", "the path of an FP8 calibration artifact is required "
+                "(benchmarks/inference/calibrate_plugins.py lightvae_fp8 writes one)")

@@ -20,21 +20,19 @@ from worldfoundry.base_models.diffusion_model.codec_fp8 import (
     load_artifact,
     validate_artifact,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
-    refuse_common,
-    refuse_module_hooks,
-)
-from worldfoundry.core.acceleration.prepared import (
-    ROLE_OFFLOAD,
-    ROLE_QUANTIZATION,
-    PreparedAcceleration,
-)
 from worldfoundry.core.acceleration.quantization.fp8_conv import (
     fp8_gemm_unavailable_reason,
     scaled_mm_unavailable_reason,
 )
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError
+from worldfoundry.plugin import (
+    ROLE_OFFLOAD,
+    ROLE_QUANTIZATION,
+    AccelerationRefusedError,
+    PreparedAcceleration,
+    RuntimePolicy,
+    refuse_common,
+    refuse_module_hooks,
+)
 from worldfoundry_lightvae.fp8_encoder import (
     MODE_FALLBACK,
     MODE_REFERENCE,
@@ -132,10 +130,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Register the ``lightvae`` acceleration."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)
 
 
 __all__ = ["prepare", "register_diffusion_accelerations", "resolve_backend"]
-
-
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)

@@ -6,8 +6,9 @@ Everything is recorded with a :class:`PatchRecorder`; uninstall removes the fuse
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +19,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     diffusers_attention_backend,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    ExecutionLedger,
-    PatchRecorder,
-    RecordedHandle,
-)
+from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
 from worldfoundry.core.attention.fused_projection import (
     ProjectionResult,
     SharedInputProjection,
@@ -37,7 +34,7 @@ from worldfoundry.core.attention.packed_projection import (
 )
 from worldfoundry.core.attention.packed_storage import PackedLinearParameters
 from worldfoundry.core.attention.sdpa_backends import sdpa_backend_scope
-from worldfoundry.errors import AttentionBackendError
+from worldfoundry.plugin import AttentionBackendError, ExecutionLedger, PatchRecorder, RecordedHandle
 from worldfoundry_optimized_mha.options import PLUGIN_NAME
 from worldfoundry_optimized_mha.plan import (
     FUSED_BRANCH,
@@ -91,6 +88,30 @@ class OptimizedMHAHandle(RecordedHandle):
     def end_request(self, request_id: str) -> None:
         self.fold_counts()
         self.ledger.finish(request_id)
+
+    # ------------------------------------------------------------------ CUDA-graph capture
+    def graph_call(self) -> GraphCall | None:
+        """Beside a CUDA-graph capture: the fused-branch calls count with plain counters, so a capture takes back
+        what its calls counted and every replay counts it again (``None`` without fused-branch groups)."""
+        if not self.branches:
+            return None
+        return GraphCall(serve=self._serve_capture, replayed=self._count_replay)
+
+    @contextlib.contextmanager
+    def _serve_capture(self, buffers: Sequence[Any]) -> Iterator[dict[str, dict[str, int]]]:
+        marks = {key: branch.projection.count_mark() for key, branch in self.branches.items()}
+        taken: dict[str, dict[str, int]] = {}
+        try:
+            yield taken
+        finally:
+            for key, mark in marks.items():
+                taken[key] = self.branches[key].projection.take_counts_since(mark)
+
+    def _count_replay(self, taken: dict[str, dict[str, int]]) -> None:
+        for key, events in taken.items():
+            branch = self.branches.get(key)
+            if branch is not None:
+                branch.projection.add_counts(events)
 
     def release(self) -> None:
         self.fold_counts()

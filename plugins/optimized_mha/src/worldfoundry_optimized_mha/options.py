@@ -13,20 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from worldfoundry.core.attention.sdpa_backends import SDPA_BACKENDS
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry.plugin import OptionValueError, PluginOptions, boolean, choice, join_path, option, string
 
 PLUGIN_NAME: Final = "optimized_mha"
 
 #: Allowed ``fusion`` values per attention kind; the first is the default.
 FUSIONS: Final[dict[str, tuple[str, ...]]] = {"self": ("qkv", "none"), "cross": ("kv", "none")}
-_KIND_KEYS: Final = frozenset({"fusion", "sdpa_backend"})
+_KIND_KEYS: Final = ("fusion", "sdpa_backend")
 
 
 @dataclass(frozen=True)
-class AttentionOptions:
+class AttentionOptions(PluginOptions):
     """What to do with one attention kind.
 
     Attributes:
@@ -36,21 +36,16 @@ class AttentionOptions:
             ``"math"`` (exactly that backend; changes rounding).
     """
 
-    kind: str
-    fusion: str
-    sdpa_backend: str = "torch"
+    plugin_name: ClassVar[str] = PLUGIN_NAME
+    error_format: ClassVar[str] = "{path} must be {expected}, got {value}"
 
-    def __post_init__(self) -> None:
-        if self.kind not in FUSIONS:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"unknown attention kind {self.kind!r}; use 'self' or 'cross'")
+    kind: str = option(check=choice(*FUSIONS, expected="'self' or 'cross' (the attention kind)"))
+    fusion: str = option(check=string(expected="a string"))
+    sdpa_backend: str = option("torch", choice(*SDPA_BACKENDS))
+
+    def validate(self) -> None:
         if self.fusion not in FUSIONS[self.kind]:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"{self.kind}.fusion must be one of {list(FUSIONS[self.kind])}, got {self.fusion!r}"
-            )
-        if self.sdpa_backend not in SDPA_BACKENDS:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"{self.kind}.sdpa_backend must be one of {list(SDPA_BACKENDS)}, got {self.sdpa_backend!r}"
-            )
+            raise OptionValueError("fusion", expected=f"one of {list(FUSIONS[self.kind])}", value=self.fusion)
 
     @property
     def fuses(self) -> bool:
@@ -68,42 +63,44 @@ class AttentionOptions:
         return {"fusion": self.fusion, "sdpa_backend": self.sdpa_backend}
 
     @classmethod
-    def from_mapping(cls, kind: str, value: Any) -> AttentionOptions:
-        if not isinstance(value, Mapping):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"{kind!r} must be a mapping, got {type(value).__name__}")
-        unknown = sorted(set(value) - _KIND_KEYS)
-        if unknown:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"unknown option(s) {unknown} in {kind!r}; known options: {sorted(_KIND_KEYS)}"
-            )
-        fusion = value.get("fusion", FUSIONS[kind][0])
-        backend = value.get("sdpa_backend", "torch")
-        for name, item in (("fusion", fusion), ("sdpa_backend", backend)):
-            if not isinstance(item, str):
-                raise AccelerationOptionsError(PLUGIN_NAME, f"{kind}.{name} must be a string, got {item!r}")
-        return cls(kind, fusion, backend)
+    def for_kind(cls, kind: str, value: Any, *, path: str = "") -> AttentionOptions:
+        """The settings of ``kind`` from its spec mapping (omitted fields take their defaults).
+
+        Raises:
+            AccelerationOptionsError: not a mapping, an unknown key or a bad value (named ``<kind>.<key>``).
+        """
+        where = join_path(path, kind)
+        mapping = cls.check_mapping(value, path=where, known=_KIND_KEYS)
+        return cls.build({"kind": kind, "fusion": mapping.get("fusion", FUSIONS[kind][0]),
+                          "sdpa_backend": mapping.get("sdpa_backend", "torch")}, path=where)
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """Options of ``optimized_mha``.
 
     Attributes:
         self_attention: settings for self-attention, ``None`` to leave it alone.
         cross_attention: settings for cross-attention, ``None`` to leave it alone.
         defaults: ``True`` when no kind was named (kinds the model lacks are then skipped instead of refused).
+
+    Example:
+        >>> Options.from_mapping({"cross": {"fusion": "none", "sdpa_backend": "cudnn"}}).to_json()
+        {'self': None, 'cross': {'fusion': 'none', 'sdpa_backend': 'cudnn'}}
     """
+
+    plugin_name: ClassVar[str] = PLUGIN_NAME
+    error_format: ClassVar[str] = "{path} must be {expected}, got {value}"
 
     self_attention: AttentionOptions | None
     cross_attention: AttentionOptions | None
-    defaults: bool = False
+    defaults: bool = option(False, boolean())
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         chosen = [k for k in (self.self_attention, self.cross_attention) if k is not None]
         if not any(k.active for k in chosen):
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, "nothing selected: every named attention kind has fusion 'none' and sdpa_backend 'torch'"
-            )
+            raise OptionValueError(
+                "", "nothing selected: every named attention kind has fusion 'none' and sdpa_backend 'torch'")
 
     def kinds(self) -> list[AttentionOptions]:
         return [k for k in (self.self_attention, self.cross_attention) if k is not None and k.active]
@@ -114,26 +111,19 @@ class Options:
         return not any(k.explicit_backend for k in self.kinds())
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any]) -> Options:
-        """Build from the read-only mapping the installer passes to ``prepare``.
+    def from_mapping(cls, options: Mapping[str, Any], *, path: str = "") -> Options:
+        """Build from the read-only mapping the installer passes to ``prepare`` (spec keys ``self``/``cross``).
 
         Raises:
             AccelerationOptionsError: not a mapping, unknown keys, invalid values, or nothing selected.
         """
-        if not isinstance(options, Mapping):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"options must be a mapping, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(FUSIONS))
-        if unknown:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"unknown option(s) {unknown}; known options: {sorted(FUSIONS)}"
-            )
-        if not options:
-            return cls(AttentionOptions("self", "qkv"), AttentionOptions("cross", "kv"), defaults=True)
-        parsed = {
-            kind: AttentionOptions.from_mapping(kind, options[kind]) if options.get(kind) is not None else None
-            for kind in FUSIONS
-        }
-        return cls(parsed["self"], parsed["cross"])
+        mapping = cls.check_mapping(options, path=path, known=tuple(FUSIONS))
+        if not mapping:
+            return cls.build({"self_attention": AttentionOptions("self", "qkv"),
+                              "cross_attention": AttentionOptions("cross", "kv"), "defaults": True}, path=path)
+        parsed = {kind: AttentionOptions.for_kind(kind, mapping[kind], path=path)
+                  if mapping.get(kind) is not None else None for kind in FUSIONS}
+        return cls.build({"self_attention": parsed["self"], "cross_attention": parsed["cross"]}, path=path)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -22,11 +22,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     fused_branch_attributes,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.families import (
-    AttentionSite,
-    ModelFamily,
-)
-from worldfoundry.errors import AccelerationRefusedError
+from worldfoundry.plugin import AccelerationRefusedError, AttentionSite, ModelFamily
 from worldfoundry_optimized_mha.options import PLUGIN_NAME, AttentionOptions
 
 FUSED_BRANCH: Final = "diffusers_fused_branch"

@@ -30,32 +30,24 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     projection_groups,
     sdpa_capable,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.families import (
-    AttentionSite,
-    ModelFamily,
-    family_of,
-)
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    PreparedAcceleration,
-)
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
-    refuse_common,
-    refuse_module_hooks,
-)
-from worldfoundry.core.acceleration.prepared import (
-    ROLE_APPROXIMATE_ATTENTION,
-    ROLE_OFFLOAD,
-)
 from worldfoundry.core.attention.packed_storage import (
     check_linears_packable,
     storage_owners,
 )
 from worldfoundry.core.attention.sdpa_backends import probe_sdpa_backend
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import (
+from worldfoundry.plugin import (
+    ROLE_APPROXIMATE_ATTENTION,
+    ROLE_OFFLOAD,
     AccelerationRefusedError,
     AttentionBackendError,
+    AttentionSite,
+    ModelFamily,
     ParameterPackingError,
+    PreparedAcceleration,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
 )
 from worldfoundry_optimized_mha.activation import OptimizedMHAHandle, activate
 from worldfoundry_optimized_mha.options import PLUGIN_NAME, AttentionOptions, Options
@@ -74,7 +66,7 @@ logger = logging.getLogger(__name__)
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Called once by the registry when it discovers this distribution's entry point."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -170,7 +162,5 @@ def _plan_site(site: AttentionSite, family: ModelFamily, settings: AttentionOpti
             probed.add(key)
     return plan
 
-
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
 
 __all__ = ["FUSED_BRANCH", "PROJECTION_WRAPPERS", "OptimizedMHAHandle", "SitePlan", "activate", "prepare"]

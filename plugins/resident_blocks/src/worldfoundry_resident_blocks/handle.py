@@ -9,12 +9,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from worldfoundry.core.acceleration.context import current_request_id
-from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.offload.block_offload import BlockOffloadEngine, ForwardOutcome
 from worldfoundry.core.offload.receipts import OffloadRequestReceipt
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, current_request_id
 from worldfoundry_resident_blocks.options import NAME
 
 logger = logging.getLogger(__name__)
@@ -164,7 +161,7 @@ def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Mo
     Returns:
         The :class:`ResidentBlocksHandle`.
     """
-    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device)
+    engine = BlockOffloadEngine(blocks, resident_indices, contiguous=contiguous, device=device, owner=NAME)
     handle = ResidentBlocksHandle(engine, ExecutionLedger(NAME))
     with PatchRecorder(NAME) as recorder:
         # Registered first so it is undone last: weights return after the wrappers and hooks are gone.

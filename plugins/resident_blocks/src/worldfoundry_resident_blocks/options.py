@@ -7,10 +7,22 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from worldfoundry.core.offload.estimator import uniform_resident_indices
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry_resident_blocks.residency_config import read_residency_config
+from worldfoundry.plugin import (
+    AccelerationOptionsError,
+    OptionValueError,
+    PluginOptions,
+    boolean,
+    file_path,
+    integer,
+    join_path,
+    option,
+    optional,
+    sequence_of,
+)
 
 NAME: Final = "resident_blocks"
 #: Keys of the spec mapping.
@@ -21,36 +33,25 @@ CONFIG_KEYS: Final = ("offload_resident_blocks", "cpu_offload_block_contiguous",
                       "num_blocks", "estimate")
 #: Config keys that are a record, not options.
 RECORD_KEYS: Final = ("estimate",)
+#: Most blocks a model may have (far above any DiT; bounds every count and index).
+MAX_BLOCKS: Final = 100_000
 
 
 def _error(message: str) -> AccelerationOptionsError:
     return AccelerationOptionsError(NAME, message)
 
 
-def _read_config(path_value: Any) -> dict[str, Any]:
-    if not isinstance(path_value, str | os.PathLike) or not os.fspath(path_value):
-        raise _error(f"config: expected a path to an estimator config JSON, got {path_value!r}")
-    path = Path(os.fspath(path_value))
-    if not path.is_file():
-        raise _error(f"config: {path} does not exist; run `worldfoundry estimate-residency ...` to write it")
+def _read_config(path_value: Any, where: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise _error(f"config: cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise _error(f"config: {path} must hold a JSON object")
-    unknown = sorted(str(k) for k in data if k not in CONFIG_KEYS)
-    if unknown:
-        raise _error(f"config: {path} has unknown key(s) {unknown}; known keys: {list(CONFIG_KEYS)}")
-    if "offload_resident_blocks" not in data:
-        raise _error(f"config: {path} has no offload_resident_blocks")
-    if "estimate" in data and not isinstance(data["estimate"], dict):
-        raise _error(f"config: {path}: estimate must be a JSON object (the estimator's record)")
+        path = Path(file_path(expected="a path to an estimator config JSON")(path_value, where))
+    except OptionValueError as exc:
+        raise _error(str(exc)) from None
+    data = read_residency_config(path, plugin=NAME, where=where)  # stat-checked, strict JSON, typed fields
     return {k: v for k, v in data.items() if k not in RECORD_KEYS}
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """resident_blocks options.
 
     Args:
@@ -71,39 +72,25 @@ class Options:
         (0, 10, 20)
     """
 
-    offload_resident_blocks: int = 0
-    cpu_offload_block_contiguous: bool = False
-    resident_block_indices: tuple[int, ...] | None = None
-    num_blocks: int | None = None
-    config: str | None = None
+    plugin_name: ClassVar[str] = NAME
 
-    def __post_init__(self) -> None:
-        r = self.offload_resident_blocks
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise _error(f"offload_resident_blocks: expected an integer >= 0, got {r!r}")
-        if not isinstance(self.cpu_offload_block_contiguous, bool):
-            raise _error(
-                f"cpu_offload_block_contiguous: expected true or false, got {self.cpu_offload_block_contiguous!r}"
-            )
-        if self.num_blocks is not None and (isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int)
-                                            or self.num_blocks < 1):
-            raise _error(f"num_blocks: expected an integer >= 1, got {self.num_blocks!r}")
-        indices = self.resident_block_indices
+    offload_resident_blocks: int = option(0, integer(min=0, max=MAX_BLOCKS))
+    cpu_offload_block_contiguous: bool = option(False, boolean())
+    resident_block_indices: tuple[int, ...] | None = option(None, optional(sequence_of(
+        integer(min=0, max=MAX_BLOCKS - 1, expected="integers >= 0"), unique=True, expected="a list of integers")))
+    num_blocks: int | None = option(None, optional(integer(min=1, max=MAX_BLOCKS)))
+    config: str | None = option(None, optional(file_path()))
+
+    def validate(self) -> None:
+        indices, r = self.resident_block_indices, self.offload_resident_blocks
         if indices is not None:
-            if isinstance(indices, str | bytes) or not isinstance(indices, list | tuple):
-                raise _error(f"resident_block_indices: expected a list of integers, got {indices!r}")
-            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices):
-                raise _error(f"resident_block_indices: expected integers >= 0, got {list(indices)!r}")
-            if len(set(indices)) != len(indices):
-                raise _error(f"resident_block_indices: indices repeat: {list(indices)!r}")
             if len(indices) != r:
-                raise _error(
-                    f"resident_block_indices lists {len(indices)} block(s) but offload_resident_blocks is {r}"
-                )
+                raise OptionValueError(
+                    "", f"resident_block_indices lists {len(indices)} block(s) but offload_resident_blocks is {r}")
             object.__setattr__(self, "resident_block_indices", tuple(sorted(indices)))
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any] | None) -> Options:
+    def from_mapping(cls, options: Mapping[str, Any] | None, *, path: str = "") -> Options:
         """Build from the spec mapping; unknown keys are rejected by name.
 
         ``{"config": "save_results/resident_blocks_config.json"}`` reads the estimator's config; keys given
@@ -115,17 +102,13 @@ class Options:
         """
         if options is None:
             return cls()
-        if not isinstance(options, Mapping):
-            raise _error(f"options: expected a mapping, got {type(options).__name__}")
-        unknown = sorted(str(k) for k in options if k not in SPEC_KEYS)
-        if unknown:
-            raise _error(f"unknown option(s) {unknown}; known options: {list(SPEC_KEYS)}")
+        mapping = cls.check_mapping(options, path=path, known=SPEC_KEYS)
         values: dict[str, Any] = {}
         config_path = None
-        if "config" in options:
-            values = _read_config(options["config"])
-            config_path = os.fspath(options["config"])
-        explicit = {k: v for k, v in options.items() if k != "config"}
+        if "config" in mapping:
+            values = _read_config(mapping["config"], join_path(path, "config"))
+            config_path = os.fspath(mapping["config"])
+        explicit = {k: v for k, v in mapping.items() if k != "config"}
         if ("offload_resident_blocks" in explicit and "resident_block_indices" not in explicit
                 and explicit["offload_resident_blocks"] != values.get("offload_resident_blocks")):
             values.pop("resident_block_indices", None)
@@ -134,9 +117,7 @@ class Options:
             indices = values["resident_block_indices"]
             if isinstance(indices, list | tuple):
                 values["offload_resident_blocks"] = len(indices)
-        if isinstance(values.get("resident_block_indices"), list):
-            values["resident_block_indices"] = tuple(values["resident_block_indices"])
-        return cls(config=config_path, **values)
+        return cls.build({**values, "config": config_path}, path=path)
 
     def resolve_indices(self, num_blocks: int) -> tuple[int, ...]:
         """The resident block indices for a model with ``num_blocks`` blocks.

@@ -17,17 +17,15 @@ import torch
 import torch.nn as nn
 
 import worldfoundry
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import (
-    refuse_common,
-)
-from worldfoundry.core.acceleration.prepared import (
+from worldfoundry.plugin import (
     ROLE_FEATURE_CACHE,
     ROLE_OFFLOAD,
+    AccelerationRefusedError,
     PreparedAcceleration,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
 )
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError
 from worldfoundry_resident_blocks.handle import (
     ResidentBlocksHandle,
     activate_resident_blocks,
@@ -127,10 +125,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     )
 
 
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
-
-
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Any) -> None:
     """Register ``resident_blocks``."""
-    register(NAME, prepare)
+    register(NAME, prepare, options=Options)

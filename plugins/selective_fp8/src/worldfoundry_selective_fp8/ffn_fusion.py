@@ -40,8 +40,8 @@ from worldfoundry.core.acceleration.kernels.dispatch import (
     gelu_quantize_activations_rowwise_fp8,
 )
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import GELU_APPROXIMATIONS
-from worldfoundry.core.acceleration.prepared import ROOT_MODULE
 from worldfoundry.core.acceleration.quantization.fp8_linear import scaled_mm_rowwise
+from worldfoundry.plugin import ROOT_MODULE
 
 #: ``ledger.executed`` kind of one fused FFN call (recorded on the FFN path).
 FUSED_KIND: Final = "fp8_gelu_fused"

@@ -2,32 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
 
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry.plugin import OptionValueError, PluginOptions, boolean, integer, option, optional, shown_value
 
 PLUGIN_NAME: Final = "selective_fp8"
 SCALINGS: Final = ("rowwise",)
+#: Most patterns in one list, and the longest pattern.
+MAX_PATTERNS: Final = 4096
+MAX_PATTERN_LENGTH: Final = 4096
 
 
-def _patterns(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise AccelerationOptionsError(
-            PLUGIN_NAME, f"{name}: expected a list of module-name patterns, got {value!r}"
-            + (f"; write [{value!r}]" if isinstance(value, str) else "")
-        )
-    out = []
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    """A list of non-empty module-name patterns, stripped; a bare string is refused with the fix."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_PATTERNS:
+        hint = f"; write [{shown_value(value)}]" if isinstance(value, str) else ""
+        raise OptionValueError(path, f"expected a list of module-name patterns, got {shown_value(value)}{hint}")
     for item in value:
-        if not isinstance(item, str) or not item.strip():
-            raise AccelerationOptionsError(PLUGIN_NAME, f"{name}: patterns must be non-empty strings, got {item!r}")
-        out.append(item.strip())
-    return tuple(out)
+        if not isinstance(item, str) or not item.strip() or len(item) > MAX_PATTERN_LENGTH:
+            raise OptionValueError(path, f"patterns must be non-empty strings, got {shown_value(item)}")
+    return tuple(item.strip() for item in value)
+
+
+def _scaling(value: Any, path: str) -> str:
+    if not isinstance(value, str) or value not in SCALINGS:
+        raise OptionValueError(path, f"only {list(SCALINGS)} is supported, got {shown_value(value)}")
+    return value
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """Selective FP8 options.
 
     Args:
@@ -53,58 +58,15 @@ class Options:
         Options(include=('blocks.*.ffn.net.2',), exclude=(), scaling='rowwise', use_fast_accum=False, min_tokens=256, fuse_gelu=True)
     """
 
-    include: tuple[str, ...] | None = None
-    exclude: tuple[str, ...] = ()
-    scaling: str = "rowwise"
-    use_fast_accum: bool = False
-    min_tokens: int = 1024
-    fuse_gelu: bool = True
+    plugin_name: ClassVar[str] = PLUGIN_NAME
 
-    def __post_init__(self) -> None:
-        if self.include is not None:
-            include = _patterns("include", self.include)
-            if not include:
-                raise AccelerationOptionsError(PLUGIN_NAME, "include: give at least one pattern (or leave it out)")
-            object.__setattr__(self, "include", include)
-        object.__setattr__(self, "exclude", _patterns("exclude", self.exclude))
-        if self.scaling not in SCALINGS:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"scaling: only {list(SCALINGS)} is supported, got {self.scaling!r}"
-            )
-        if not isinstance(self.use_fast_accum, bool):
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"use_fast_accum: expected true/false, got {self.use_fast_accum!r}"
-            )
-        if not isinstance(self.fuse_gelu, bool):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"fuse_gelu: expected true/false, got {self.fuse_gelu!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"min_tokens: expected an integer >= 0, got {self.min_tokens!r}"
-            )
+    include: tuple[str, ...] | None = option(None, optional(_patterns))
+    exclude: tuple[str, ...] = option((), _patterns)
+    scaling: str = option("rowwise", _scaling)
+    use_fast_accum: bool = option(False, boolean(expected="true/false"))
+    min_tokens: int = option(1024, integer(min=0))
+    fuse_gelu: bool = option(True, boolean(expected="true/false"))
 
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, Any] | None) -> Options:
-        """Build from the spec mapping; unknown keys are rejected by name.
-
-        Raises:
-            AccelerationOptionsError: unknown key, wrong type or invalid value.
-        """
-        if options is None:
-            return cls()
-        if not isinstance(options, Mapping):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"options: expected a mapping, got {type(options).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in options if k not in known)
-        if unknown:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"unknown option(s) {unknown}; known options: {sorted(known)}")
-        return cls(**{str(k): v for k, v in options.items()})
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "include": list(self.include) if self.include is not None else None,
-            "exclude": list(self.exclude),
-            "scaling": self.scaling,
-            "use_fast_accum": self.use_fast_accum,
-            "min_tokens": self.min_tokens,
-            "fuse_gelu": self.fuse_gelu,
-        }
+    def validate(self) -> None:
+        if self.include == ():
+            raise OptionValueError("include", "give at least one pattern (or leave it out)")

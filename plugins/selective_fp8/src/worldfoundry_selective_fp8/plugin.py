@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 import worldfoundry
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.base_models.diffusion_model.optimizations.guards import install_weight_view_guard
 from worldfoundry.base_models.diffusion_model.optimizations.projection_selection import (
     SelectedLinear,
@@ -18,21 +17,23 @@ from worldfoundry.base_models.diffusion_model.optimizations.projection_selection
     refuse_shared_parameters,
     select_linears,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
-from worldfoundry.core.acceleration.patching import PatchRecorder
-from worldfoundry.core.acceleration.prepared import (
+from worldfoundry.core.acceleration.quantization.fp8_linear import SCALED_MM_ALIGNMENT, quantize_weight_rowwise_fp8
+from worldfoundry.plugin import (
     ROLE_APPROXIMATE_ATTENTION,
     ROLE_FEATURE_CACHE,
     ROLE_OFFLOAD,
     ROLE_QUANTIZATION,
     ROLE_STATIC_KV_CACHE,
     ROLE_WEIGHT_VIEW,
+    AccelerationRefusedError,
+    ExecutionLedger,
+    PatchRecorder,
     PreparedAcceleration,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
 )
-from worldfoundry.core.acceleration.quantization.fp8_linear import SCALED_MM_ALIGNMENT, quantize_weight_rowwise_fp8
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError
 from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND, FusableFFN, FusedFFN, plan_ffn_fusion
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 from worldfoundry_selective_fp8.runtime import SelectiveFP8Handle, SelectiveFP8Runtime
@@ -169,10 +170,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     )
 
 
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
-
-
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Register ``selective_fp8``."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)

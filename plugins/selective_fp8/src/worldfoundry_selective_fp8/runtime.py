@@ -5,7 +5,10 @@ Each selected Linear keeps its dense weight; its forward is replaced by one that
 * runs FP8: fused Triton activation quantization + ``torch._scaled_mm`` + bias, recorded as
   ``executed(path, "fp8_gemm")``, or
 * runs the original dense forward, recorded as ``fallback(path, reason)`` with one of the reasons in
-  :data:`FALLBACK_REASONS` (``"cpu device"``, ``"gpu lacks fp8"``, ``"fewer than min_tokens rows"``, ...).
+  :data:`FALLBACK_REASONS` (``"cpu device"``, ``"gpu lacks fp8"``, ``"fewer than min_tokens rows"``, ...) or
+  the reason of the capability probe (``"rowwise torch._scaled_mm unavailable on <device>: ..."``): on a device
+  the policy allows, the exact ``torch._scaled_mm`` call is tried once before any forward uses it
+  (:func:`~worldfoundry.core.acceleration.quantization.fp8_linear.rowwise_scaled_mm_unavailable_reason`).
 
 When both Linears of a diffusers ``FeedForward`` are selected, the FFN's forward is replaced as well (see
 :mod:`worldfoundry_selective_fp8.ffn_fusion`): the down projection's GELU and activation quantization then run
@@ -26,16 +29,15 @@ import torch
 import torch.nn as nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.guards import WeightViewGuard
-from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.kernels.dispatch import quantize_activations_rowwise_fp8
-from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.fp8 import CLIP_THRESHOLD
 from worldfoundry.core.acceleration.quantization.fp8_linear import (
     FP8RowwiseWeight,
     fp8_linear_fallback_reason,
+    rowwise_scaled_mm_unavailable_reason,
     scaled_mm_rowwise,
 )
-from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle
 from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 
@@ -47,7 +49,8 @@ REASON_DTYPE: Final = "dtype not bfloat16"
 REASON_FEW_ROWS: Final = "fewer than min_tokens rows"
 REASON_AUTOGRAD: Final = "autograd enabled"
 REASON_OTHER_DEVICE: Final = "input on another device than the weight"
-#: Every reason a dense fallback can carry (device reasons are ``"<type> device"``, e.g. ``"cpu device"``).
+#: Every fixed reason a dense fallback can carry (device reasons are ``"<type> device"``, e.g. ``"cpu device"``;
+#: a failed capability probe adds its own ``"rowwise torch._scaled_mm ..."`` reason).
 FALLBACK_REASONS: Final = (
     "cpu device", "gpu lacks fp8", "torch._scaled_mm unavailable", REASON_DTYPE, REASON_FEW_ROWS,
     REASON_AUTOGRAD, REASON_OTHER_DEVICE,
@@ -71,9 +74,10 @@ class SelectiveFP8Runtime:
     """State shared by the patched forwards of one activation (one model or one expert).
 
     Attributes:
-        device_reasons: per-device cache of :func:`fp8_linear_fallback_reason` (``None``: FP8 can run). Tests
-            seed ``{torch.device("cpu"): None}`` to run the FP8 path on the CPU, where torch implements
-            ``torch._scaled_mm``; production never does.
+        device_reasons: per-device cache of :func:`fp8_linear_fallback_reason` (``None``: FP8 can run), filled
+            when a weight's device is first seen (at activation) or an input's device first arrives.
+            :meth:`allow_device` lets the FP8 path run on a device the policy skips (the CPU, for tests and
+            verification) when the capability probe passes there.
     """
 
     def __init__(self, options: Options, ledger: ExecutionLedger, guard: WeightViewGuard) -> None:
@@ -94,6 +98,31 @@ class SelectiveFP8Runtime:
     # ------------------------------------------------------------------ construction
     def add(self, path: str, linear: nn.Linear, weight: FP8RowwiseWeight) -> None:
         self.targets[path] = _Target(path, linear, weight)
+        self.device_reason(weight.qweight.device)  # probe at activation, not inside a forward
+
+    def device_reason(self, device: torch.device) -> str | None:
+        """The cached per-device verdict (policy, then the probe of the real call); ``None``: FP8 can run."""
+        try:
+            return self.device_reasons[device]
+        except KeyError:
+            reason = fp8_linear_fallback_reason(device, use_fast_accum=self.options.use_fast_accum)
+            self.device_reasons[device] = reason
+            return reason
+
+    def allow_device(self, device: torch.device) -> str | None:
+        """Let the FP8 path run on ``device`` although the policy skips it (CPU verification runs, tests), if
+        the real ``torch._scaled_mm`` call works there.
+
+        Args:
+            device: e.g. ``torch.device("cpu")``.
+
+        Returns:
+            The probe's verdict, now the device's fallback reason: ``None`` when FP8 will run there, else the
+            reason every call on that device records.
+        """
+        reason = rowwise_scaled_mm_unavailable_reason(device, use_fast_accum=self.options.use_fast_accum)
+        self.device_reasons[device] = reason
+        return reason
 
     def make_wrapper(self, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The ``make_wrapper`` handed to :meth:`PatchRecorder.wrap_forward` for ``path``."""
@@ -122,11 +151,7 @@ class SelectiveFP8Runtime:
     def call_reason(self, target: _Target, device: torch.device, dtype: torch.dtype, rows: int,
                     requires_grad: bool) -> str | None:
         """:meth:`fallback_reason` for an input described by its device, dtype, row count and grad flag."""
-        try:
-            reason = self.device_reasons[device]
-        except KeyError:
-            reason = fp8_linear_fallback_reason(device)
-            self.device_reasons[device] = reason
+        reason = self.device_reason(device)
         if reason is not None:
             return reason
         if device != target.weight.qweight.device:

@@ -37,17 +37,12 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     ProjectionGroup,
     wan_conditioning_inputs,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
-    ExecutionLedger,
-    PatchRecorder,
-    RecordedHandle,
-)
-from worldfoundry.core.acceleration.context import RequestContext, current_request
 from worldfoundry.core.attention.fingerprints import ContentVersions, parameters_state, tensor_state
 from worldfoundry.core.attention.fused_projection import ProjectionResult, SharedInputProjection
 from worldfoundry.core.attention.packed_storage import DerivedPackedLinear
 from worldfoundry.core.attention.source_watch import LinearSourceWatch
 from worldfoundry.core.attention.static_kv_cache import CacheEntry, StaticKVCache
+from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, RequestContext, current_request
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 from worldfoundry_wan_cross_kv_fusion.runtime_state import (
     BELOW_MIN_TOKENS,
@@ -115,6 +110,12 @@ class WanCrossKVHandle(RecordedHandle):
         self.groups = {}
         self._order = []
         self._watch = None
+
+    def graph_call(self) -> Any:
+        """Beside a CUDA-graph capture of the model's forward: see :mod:`.graph_state`."""
+        from worldfoundry_wan_cross_kv_fusion.graph_state import graph_call
+
+        return graph_call(self, _get_ident())
 
     def fold_counts(self) -> None:
         """Move the hit counters of the validated forwards into the ledger (cheap; safe to call any time)."""

@@ -8,16 +8,16 @@ Spec::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
 
-from worldfoundry.errors import AccelerationOptionsError
+from worldfoundry.plugin import PluginOptions, boolean, integer, option
 
 PLUGIN_NAME: Final = "wan_cross_kv_fusion"
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(PluginOptions):
     """Options of ``wan_cross_kv_fusion``.
 
     Attributes:
@@ -30,34 +30,18 @@ class Options:
             cache does not hold (inside a request that is the first step of each CFG branch and expert).
     """
 
-    min_tokens: int = 256
-    include_image: bool = False
-    pack: bool = True
+    plugin_name: ClassVar[str] = PLUGIN_NAME
+    error_format: ClassVar[str] = "{path} must be {expected}, got {value}"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if not isinstance(self.include_image, bool):
-            raise AccelerationOptionsError(
-                PLUGIN_NAME, f"include_image must be true or false, got {self.include_image!r}"
-            )
-        if not isinstance(self.pack, bool):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"pack must be true or false, got {self.pack!r}")
+    min_tokens: int = option(256, integer(min=0))
+    include_image: bool = option(False, boolean())
+    pack: bool = option(True, boolean())
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any]) -> Options:
-        """Build from the read-only mapping the installer passes to ``prepare``.
+    def from_mapping(cls, options: Mapping[str, Any], *, path: str = "") -> Options:
+        """Build from the read-only mapping the installer passes to ``prepare`` (``None`` is refused).
 
         Raises:
             AccelerationOptionsError: not a mapping, an unknown key, or an invalid value.
         """
-        if not isinstance(options, Mapping):
-            raise AccelerationOptionsError(PLUGIN_NAME, f"options must be a mapping, got {type(options).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise AccelerationOptionsError(PLUGIN_NAME, f"unknown option(s) {unknown}; known options: {sorted(known)}")
-        return cls(**dict(options))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"min_tokens": self.min_tokens, "include_image": self.include_image, "pack": self.pack}
+        return super().from_mapping(cls.check_mapping(options, path=path), path=path)

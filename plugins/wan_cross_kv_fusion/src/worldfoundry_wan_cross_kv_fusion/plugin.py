@@ -23,13 +23,19 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     wan_conditioning_modules,
     wan_conditioning_positions,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import PatchRecorder, PreparedAcceleration
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
-from worldfoundry.core.acceleration.prepared import ROLE_OFFLOAD, ROLE_STATIC_KV_CACHE
 from worldfoundry.core.attention.packed_storage import check_linears_packable
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError, ParameterPackingError
+from worldfoundry.plugin import (
+    ROLE_OFFLOAD,
+    ROLE_STATIC_KV_CACHE,
+    AccelerationRefusedError,
+    ParameterPackingError,
+    PatchRecorder,
+    PreparedAcceleration,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
+)
 from worldfoundry_wan_cross_kv_fusion.handle import KEY_NORMS, WanCrossKVHandle
 from worldfoundry_wan_cross_kv_fusion.options import PLUGIN_NAME, Options
 
@@ -39,7 +45,7 @@ logger = logging.getLogger(__name__)
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Called once by the registry when it discovers this distribution's entry point."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)
 
 
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
@@ -132,6 +138,3 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup],
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle
-
-
-prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)

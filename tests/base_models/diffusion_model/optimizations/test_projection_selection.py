@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from worldfoundry import testing
 from worldfoundry.base_models.diffusion_model.optimizations.projection_selection import (
     linear_name_patterns,
     refuse_misaligned,
@@ -18,33 +19,16 @@ P = "demo"
 
 
 def tiny_wan() -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    return WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                 text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).eval()
+    return testing.tiny_wan(weight_scale=None)
 
 
 def tiny_sana_video() -> nn.Module:
-    from diffusers import SanaVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    return SanaVideoTransformer3DModel(
-        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
-        num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
-        sample_size=8,
-    ).eval()
+    return testing.tiny_sana_video()
 
 
 def tiny_minimax_h3() -> nn.Module:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    torch.manual_seed(0)
-    return MiniMaxH3Transformer3DModel(
-        num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1,
-        ffn_dim=128, in_channels=8, audio_in_channels=8, text_dim=32, freq_dim=32, time_embed_hidden_dim=64,
-        time_embed_dim=32, rope_freq_dim=8,
-    ).eval()
+    return testing.tiny_minimax_h3(hidden_size=64, ffn_dim=128, in_channels=8, time_embed_hidden_dim=64,
+                                   time_embed_dim=32, rope_freq_dim=8)
 
 
 def paths(selection) -> list[str]:

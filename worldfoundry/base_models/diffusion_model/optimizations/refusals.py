@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from worldfoundry.errors import AccelerationRefusedError
 
-#: Marker attribute a caller sets on a model whose forward is captured in a CUDA graph.
+#: Marker attribute set on a model whose forward is captured in a CUDA graph (the ``cuda_graph`` plugin sets it while
+#: installed; plugins installed beside it in the same session prepare before it is set).
 CUDA_GRAPH_MARKER = "_worldfoundry_cuda_graph"
 
 

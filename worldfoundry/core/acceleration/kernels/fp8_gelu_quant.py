@@ -15,9 +15,9 @@ fused kernel reads ``h`` once and writes only the FP8 rows and their scales:
 
 **The activation is not bitwise torch's GELU.** The kernel's GELU is within ``2**-8 * |gelu(x)| + 2**-20 * |x|``
 of the float64 formula (:func:`gelu_float64`) for every normal bfloat16 input -- the bound torch's own bfloat16
-GELU meets -- and equals torch's GELU for most, not all, elements (measured on an H200 with the previous,
-libdevice-``tanhf`` kernel: at least 99.4 % of all normal bfloat16 values; the differences sit where ``1 + tanh``
-cancels, for negative inputs). So the fused path rounds slightly differently from the per-Linear path
+GELU meets -- and equals torch's GELU for most, not all, elements (the differences sit where ``1 + tanh``
+cancels, for negative inputs; the measured fractions are in ``docs/performance.md``). So the fused
+path rounds slightly differently from the per-Linear path
 (``F.gelu`` then the quantizer); both are FP8 approximations of the dense model. The quantization step itself is
 bitwise: the kernel's FP8 bytes and scales always equal ``quantize_rowwise_fp8`` of the kernel's own activation
 (checked on the CPU and on CUDA). The GPU tests and the benchmark record the fraction of bitwise-equal
@@ -37,8 +37,8 @@ then rounds to bfloat16 to nearest even.
 
 Under the Triton interpreter (CPU tests) there is no libdevice: the tanh form uses the interpreter's ``exp2``
 and an IEEE division, ``erf`` the interpreter's, and bfloat16/e4m3 rounding runs in bit arithmetic. Those
-activations are within the same bound and equal torch's CPU GELU for at least 99.9 % of all normal bfloat16
-values (about 99 % of ``randn * 2`` inputs, the differences again where ``1 + tanh`` cancels in torch).
+activations are within the same bound and equal torch's CPU GELU for most values (the differences again where
+``1 + tanh`` cancels in torch; fractions in ``docs/performance.md``).
 
 Example (CPU, with ``TRITON_INTERPRET=1`` set before triton is imported)::
 

@@ -32,8 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -50,7 +51,7 @@ from worldfoundry.core.acceleration.quantization.fp8 import (
 )
 from worldfoundry.core.acceleration.quantization.fp8_linear import (
     SCALED_MM_ALIGNMENT,
-    fp8_linear_fallback_reason,
+    fp8_device_reason,
 )
 from worldfoundry.errors import QuantizationInputError
 
@@ -121,10 +122,13 @@ class ConvGeometry:
 def fp8_gemm_unavailable_reason(device: torch.device | str) -> str | None:
     """``None`` when the FP8 tensor-core GEMM is usable on ``device``, else a reason for the receipts.
 
-    The decision is :func:`~worldfoundry.core.acceleration.quantization.fp8_linear.fp8_linear_fallback_reason`
-    (CUDA sm_89+ with ``torch._scaled_mm``), shared with the FP8 Linear path.
+    The device policy is :func:`~worldfoundry.core.acceleration.quantization.fp8_linear.fp8_device_reason`
+    (CUDA sm_89+ with ``torch._scaled_mm``), shared with the FP8 Linear path; on a device it allows, the
+    convolution's own call (per-tensor scales, float32 output) is tried once
+    (:func:`scaled_mm_unavailable_reason`).
     """
-    reason = fp8_linear_fallback_reason(torch.device(device))
+    device = torch.device(device)
+    reason = fp8_device_reason(device) or scaled_mm_unavailable_reason(device)
     return None if reason is None else f"no FP8 tensor-core GEMM ({reason})"
 
 
@@ -145,7 +149,7 @@ def scaled_mm_unavailable_reason(device: torch.device | str) -> str | None:
             one = torch.ones((), dtype=torch.float32, device=device)
             torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
             _PROBES[key] = None
-        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # any failure of the real call means: not usable here
             _PROBES[key] = f"torch._scaled_mm with FP8 operands is not available on {key}: {exc}"
     return _PROBES[key]
 
@@ -287,11 +291,27 @@ def fp8_conv3d(x: torch.Tensor, packed: PackedFp8Conv, act_scale: torch.Tensor, 
 
 
 def fp8_conv3d_reference(x: torch.Tensor, packed: PackedFp8Conv, act_scale: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`fp8_conv3d`: dequantize the same FP8 tensors and run ``F.conv3d`` in fp32."""
+    """Torch reference of :func:`fp8_conv3d`: dequantize the same FP8 tensors and run ``F.conv3d`` in fp32
+    (IEEE float32 on CUDA too: cuDNN's default TF32 would round both operands to 10 mantissa bits)."""
     _check_input(x, packed)
     g = packed.geometry
     xq = quantize_activation(x, act_scale).permute(0, 4, 1, 2, 3).float() * act_scale
-    return F.conv3d(xq, packed.dequantized_weight(), packed.bias[: g.out_channels], stride=g.stride)
+    with _ieee_fp32_convolution(x.device):
+        return F.conv3d(xq, packed.dequantized_weight(), packed.bias[: g.out_channels], stride=g.stride)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_convolution(device: torch.device) -> Iterator[None]:
+    """cuDNN convolves float32 in TF32 by default (10-bit mantissa operands); the reference must not."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
 
 
 __all__ = [

@@ -13,7 +13,8 @@ on CUDA (:mod:`worldfoundry.core.acceleration.kernels.dispatch`).
 
 ``torch._scaled_mm`` needs ``K`` and ``N`` to be multiples of 16, FP8 tensor cores (CUDA sm_89 or newer)
 and a bfloat16 output for rowwise scales. :func:`fp8_linear_fallback_reason` tells a caller when to run its
-dense operator instead.
+dense operator instead: the device policy, then one real call of the rowwise kernel on that device (cached),
+because support depends on the build (:func:`rowwise_scaled_mm_unavailable_reason`).
 
 Example:
     >>> import torch
@@ -26,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Final
 
@@ -34,6 +37,8 @@ import torch
 from worldfoundry.core.acceleration.kernels.dispatch import Backend, quantize_activations_rowwise_fp8
 from worldfoundry.core.acceleration.quantization.fp8 import FP8_DTYPE, quantize_rowwise_fp8
 from worldfoundry.errors import QuantizationInputError
+
+logger = logging.getLogger(__name__)
 
 #: ``torch._scaled_mm`` needs both weight dimensions to be multiples of this.
 SCALED_MM_ALIGNMENT: Final = 16
@@ -101,15 +106,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def fp8_linear_fallback_reason(device: torch.device) -> str | None:
-    """Why the FP8 GEMM cannot run on ``device`` (``None`` when it can).
+def fp8_device_reason(device: torch.device) -> str | None:
+    """The device policy alone: why FP8 GEMMs are not chosen on ``device`` (``None`` when they may be).
 
     Args:
         device: where the operands live.
 
     Returns:
-        ``"<type> device"`` for non-CUDA devices (``"cpu device"``), ``"gpu lacks fp8"`` below sm_89,
-        ``"torch._scaled_mm unavailable"`` for a torch without it, else ``None``.
+        ``"<type> device"`` for non-CUDA devices, ``"torch._scaled_mm unavailable"`` for a torch without it,
+        ``"gpu lacks fp8"`` below sm_89, else ``None``. Nothing is executed.
     """
     if device.type != "cuda":
         return f"{device.type} device"
@@ -118,6 +123,89 @@ def fp8_linear_fallback_reason(device: torch.device) -> str | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _capability(index) < FP8_MIN_CAPABILITY:
         return REASON_GPU_LACKS_FP8
+    return None
+
+
+def fp8_linear_fallback_reason(device: torch.device, *, use_fast_accum: bool = False) -> str | None:
+    """Why the FP8 GEMM does not run on ``device`` (``None`` when it does).
+
+    The device policy (:func:`fp8_device_reason`) first; on a device it allows, the real call is tried once
+    (:func:`rowwise_scaled_mm_unavailable_reason`), so a torch build without the rowwise kernel falls back
+    with the probe's reason instead of failing inside a forward.
+
+    Args:
+        device: where the operands live.
+        use_fast_accum: the accumulation mode the caller will use (probed as such).
+
+    Returns:
+        The policy reason, the probe's reason, or ``None``.
+    """
+    reason = fp8_device_reason(device)
+    if reason is not None:
+        return reason
+    return rowwise_scaled_mm_unavailable_reason(device, use_fast_accum=use_fast_accum)
+
+
+_PROBE_ROWS: Final = 16
+_PROBE_K: Final = 32
+_rowwise_probes: dict[tuple[str, bool], str | None] = {}
+_probe_lock = threading.Lock()
+
+
+def rowwise_scaled_mm_unavailable_reason(device: torch.device | str, *, use_fast_accum: bool = False) -> str | None:
+    """Try, once per ``(device, use_fast_accum)``, the exact ``torch._scaled_mm`` call of the FP8 Linear.
+
+    The probe multiplies a ``[16, 32]`` float8_e4m3fn matrix by a ``[32, 16]`` one with per-row ``[16, 1]`` and
+    per-column ``[1, 16]`` float32 scales, a fused bfloat16 bias and a bfloat16 output (what
+    :func:`scaled_mm_rowwise` sends), and checks the result against float32 math. Whether a build supports
+    that combination is a property of the build and the device, not of the torch version alone (CPU builds
+    of torch 2.13 have a rowwise CPU kernel; the CUDA build of torch 2.11 accepts only per-tensor scales on
+    the CPU), so nothing is assumed. The verdict is cached; the check runs outside CUDA-graph capture only
+    (during a capture the verdict is not cached and the call is assumed to work, as before the probe).
+
+    Args:
+        device: where the operands would live.
+        use_fast_accum: the accumulation flag of the real call.
+
+    Returns:
+        ``None`` when the call works and is correct, else a one-line reason for the receipts
+        (``"rowwise torch._scaled_mm unavailable on cpu: <error>"``).
+    """
+    device = torch.device(device)
+    key = (str(device), bool(use_fast_accum))
+    with _probe_lock:
+        if key in _rowwise_probes:
+            return _rowwise_probes[key]
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    verdict = _run_rowwise_probe(device, bool(use_fast_accum))
+    if verdict is not None:
+        logger.warning("FP8 rowwise GEMM falls back to dense on %s: %s", device, verdict)
+    with _probe_lock:
+        _rowwise_probes[key] = verdict
+    return verdict
+
+
+def _run_rowwise_probe(device: torch.device, use_fast_accum: bool) -> str | None:
+    """One real rowwise ``_scaled_mm`` on ``device``; ``None`` or why it cannot be used."""
+    if not hasattr(torch, "_scaled_mm"):
+        return REASON_NO_SCALED_MM
+    try:
+        with torch.no_grad():
+            a = torch.ones((_PROBE_ROWS, _PROBE_K), device=device).to(FP8_DTYPE)
+            w = torch.full((_PROBE_ROWS, _PROBE_K), 0.5, device=device).to(FP8_DTYPE)
+            scale_a = torch.arange(1, _PROBE_ROWS + 1, dtype=torch.float32, device=device).reshape(-1, 1) / 16
+            scale_b = torch.arange(1, _PROBE_ROWS + 1, dtype=torch.float32, device=device).reshape(1, -1) / 8
+            bias = torch.ones(_PROBE_ROWS, dtype=torch.bfloat16, device=device)
+            out = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
+                                   out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
+            expected = (_PROBE_K * 0.5) * scale_a * scale_b + 1.0  # exact in float32, <= 33 in magnitude
+            error = float((out.float() - expected).abs().max() / expected.abs().max())
+    except Exception as exc:  # any failure of the real call means: do not use it here
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"rowwise torch._scaled_mm unavailable on {device.type}: {message[:160]}"
+    if not error <= 2.0**-7:  # one bfloat16 rounding of the output
+        return f"rowwise torch._scaled_mm gives wrong results on {device.type} (relative error {error:.3g})"
     return None
 
 
@@ -239,10 +327,12 @@ __all__ = [
     "REASON_NO_SCALED_MM",
     "SCALED_MM_ALIGNMENT",
     "FP8RowwiseWeight",
+    "fp8_device_reason",
     "fp8_linear_fallback_reason",
     "fp8_rowwise_linear",
     "fp8_rowwise_linear_reference",
     "misaligned_dims",
     "quantize_weight_rowwise_fp8",
+    "rowwise_scaled_mm_unavailable_reason",
     "scaled_mm_rowwise",
 ]

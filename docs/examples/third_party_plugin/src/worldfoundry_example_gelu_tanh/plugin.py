@@ -15,16 +15,18 @@ import torch
 import torch.nn as nn
 
 import worldfoundry
-from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import (
+from worldfoundry.plugin import (
+    AccelerationOptionsError,
+    AccelerationRefusedError,
     ExecutionLedger,
     PatchRecorder,
     PreparedAcceleration,
     RecordedHandle,
+    RuntimePolicy,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
 )
-from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_common, refuse_module_hooks
-from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationOptionsError, AccelerationRefusedError
 from worldfoundry_example_gelu_tanh.kernel import gelu_tanh
 from worldfoundry_example_gelu_tanh.options import PLUGIN_NAME, Options
 
@@ -37,7 +39,7 @@ _ACTIVATION_CLASS = "GELU"
 @worldfoundry.hookimpl
 def register_diffusion_accelerations(register: Callable[..., None]) -> None:
     """Called once by the registry when it discovers this distribution's entry point."""
-    register(PLUGIN_NAME, prepare)
+    register(PLUGIN_NAME, prepare, options=Options)
 
 
 class GeluTanhHandle(RecordedHandle):

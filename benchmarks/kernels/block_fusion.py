@@ -1,0 +1,273 @@
+"""Block fusion (``wan_block_fusion`` / ``sana_block_fusion``) vs eager vs torch.compile regional, one process.
+
+Per workload (W17, W81: Wan2.1-1.3B architecture, random seeded weights, bf16, text 512 x 4096; SANA-Video 480p:
+the default SANA-Video config at latent 21x60x104, text 300 x 2304):
+
+* eager (diffusers as is), block fusion (a second instance, same seeded weights, plugin installed),
+  torch.compile regional (a third instance with ``model.compile_repeated_blocks(fullgraph=True)``; W17 only unless ``--compile-w81``; its warm-up --
+  the first two calls -- is timed and reported separately);
+* proof: the block fusion output is compared bitwise with eager (compile: relative L2), and its receipts must show
+  every block executed with no fallback;
+* first call: seconds of the first forward after install (Triton compiles the kernels then; the on-disk Triton
+  cache is pointed at an empty directory so the figure is a cold start);
+* kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
+* interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios.
+
+A part that fails is reported with its error and the rest still runs. The table is printed last; the full result
+is written to ``$OUT/block_fusion.json`` (default ``./bench_out``).
+
+Command (H200, about 4 minutes with the W17 compile warm-up)::
+
+    python benchmarks/kernels/block_fusion.py               # --skip-compile, --compile-w81, --smoke (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worldfoundry.bench.microbench import (
+    RANDOM_NOTE,
+    SMOKE_WORKLOADS,
+    WAN_1_3B,
+    WAN_TINY,
+    WORKLOADS,
+    interleaved,
+    provenance,
+    rel_l2,
+    sync,
+)
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.guard import attach_request_guard
+from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+
+#: SANA-Video 480p (81 frames 480x832 -> latent 21x60x104, 32,760 tokens) and its CPU smoke stand-in.
+SANA_LATENT = (21, 60, 104)
+SANA_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, num_cross_attention_heads=2,
+                  cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32, sample_size=8,
+                  rope_max_seq_len=64)
+GOALS = {"W17": 1.35, "W81": 1.15, "SANA480p": 1.15}
+FIRST_CALL_GOAL_S = 3.0
+
+
+def registry() -> AccelerationRegistry:
+    from worldfoundry_block_fusion import sana_plugin, wan_plugin
+
+    reg = AccelerationRegistry(discover=False)
+    reg.register("wan_block_fusion", wan_plugin.prepare)
+    reg.register("sana_block_fusion", sana_plugin.prepare)
+    return reg
+
+
+def build(family: str, smoke: bool, device: torch.device) -> nn.Module:
+    from diffusers import SanaVideoTransformer3DModel, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        if family == "wan":
+            model = WanTransformer3DModel(**(WAN_TINY if smoke else WAN_1_3B))
+        else:
+            model = SanaVideoTransformer3DModel(**(SANA_SMOKE if smoke else {}))
+    model = apply_dtype_policy(model, torch.bfloat16).eval()
+    attach_request_guard(model)  # as the loader attaches one in real use
+    return model
+
+
+def inputs_for(model: nn.Module, family: str, latent: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
+    g = torch.Generator(device=device).manual_seed(1)
+    cfg = model.config
+    text, width = (512, cfg.text_dim) if family == "wan" else (300, cfg.caption_channels)
+    return {"hidden_states": torch.randn(1, cfg.in_channels, *latent, device=device, generator=g).bfloat16(),
+            "timestep": torch.tensor([500], device=device),
+            "encoder_hidden_states": torch.randn(1, text, width, device=device, generator=g).bfloat16(),
+            "return_dict": False}
+
+
+def caller(model: nn.Module, inputs: dict[str, Any], request_id: str | None = None) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            if request_id is None:
+                return model(**inputs)[0]
+            with request_scope(RequestContext(request_id)):
+                return model(**inputs)[0]
+
+    return call
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def kernels_per_forward(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """CUDA kernels launched by one forward (torch.profiler), ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def fusion_variant(make_model: Callable[[], nn.Module], name: str, inputs: dict[str, Any], reference: torch.Tensor,
+                   device: torch.device, result: dict[str, Any]) -> Callable[[], Any]:
+    model = make_model()
+    session = install_diffusion_accelerations(model, {name: {}}, registry=registry())
+    first, first_s = timed(caller(model, inputs, "first"), device)
+    record = session.execution_report()["plugins"][name]["model"]["requests"]["first"]
+    blocks = len(session.handles(name)["model"].blocks)
+    result["block_fusion"] = {
+        "first_call_s": round(first_s, 3), "bitwise_vs_eager": bool(torch.equal(first, reference)),
+        "max_abs_diff": float((first.float() - reference.float()).abs().max()),
+        "fused_calls": record["counters"], "fallbacks": record["fallbacks"],
+        "claimed_not_executed": record["claimed_not_executed"], "blocks": blocks}
+    result["_keep"].append((model, session))
+    return caller(model, inputs, "timed")
+
+
+def compile_variant(make_model: Callable[[], nn.Module], inputs: dict[str, Any], reference: torch.Tensor, device: torch.device,
+                    result: dict[str, Any]) -> Callable[[], Any]:
+    model = make_model()
+    model.compile_repeated_blocks(fullgraph=True)
+    call = caller(model, inputs)
+    first, first_s = timed(call, device)
+    second, second_s = timed(call, device)
+    result["compile"] = {"warmup_first_two_calls_s": round(first_s + second_s, 2),
+                         "rel_l2_vs_eager": rel_l2(second, reference), "bitwise_vs_eager": bool(torch.equal(second,
+                                                                                                        reference))}
+    result["_keep"].append((model, None))
+    return call
+
+
+def workload(label: str, family: str, latent: tuple[int, int, int], args: argparse.Namespace,
+             device: torch.device, with_compile: bool) -> dict[str, Any]:
+    result: dict[str, Any] = {"latent": list(latent), "family": family, "errors": {}, "_keep": []}
+    dense = build(family, args.smoke, device)
+
+    def make_model() -> nn.Module:  # the same seeded weights (a deep copy cannot copy the request guard)
+        return build(family, args.smoke, device)
+
+    inputs = inputs_for(dense, family, latent, device)
+    result["tokens"] = latent[0] * (latent[1] // 2) * (latent[2] // 2)
+    eager = caller(dense, inputs)
+    reference, result["eager_first_call_s"] = timed(eager, device)
+    _, steady_s = timed(eager, device)
+    calls: dict[str, Callable[[], Any]] = {"eager": eager}
+    name = "wan_block_fusion" if family == "wan" else "sana_block_fusion"
+    for key, make in (("block_fusion", lambda: fusion_variant(make_model, name, inputs, reference, device, result)),
+                      ("compile", lambda: compile_variant(make_model, inputs, reference, device, result))):
+        if key == "compile" and not with_compile:
+            continue
+        try:
+            calls[key] = make()
+        except Exception as exc:  # one failing part must not stop the others
+            result["errors"][key] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    for key in ("eager", "block_fusion"):
+        if key in calls:
+            try:
+                result.setdefault("kernels_per_forward", {})[key] = kernels_per_forward(calls[key], device)
+            except Exception as exc:
+                result["errors"][f"profile_{key}"] = f"{type(exc).__name__}: {exc}"
+    iters = max(1, int(round(args.target_ms / max(steady_s * 1e3, 1.0))))
+    result["iters_per_sample"] = min(iters, 20)
+    gc.collect()
+    gc.freeze()
+    try:
+        result["timing"] = interleaved(calls, device, rounds=args.rounds, warmup=2, iters=min(iters, 20),
+                                       baseline="eager")
+    except Exception as exc:
+        result["errors"]["timing"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    finally:
+        gc.unfreeze()
+    for model, session in result.pop("_keep"):
+        if session is not None:
+            session.uninstall()
+        del model
+    del dense
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| workload | variant | median ms | vs eager (paired median) | goal | bitwise | first call s | "
+             "kernels/forward |", "|---|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        if not isinstance(r, dict) or "timing" not in r:
+            continue
+        for key, t in r["timing"].items():
+            extra = r.get(key, {})
+            bitwise = {"eager": "-", "block_fusion": extra.get("bitwise_vs_eager"),
+                       "compile": f"rel L2 {extra.get('rel_l2_vs_eager', float('nan')):.3g}"}.get(key)
+            first = (round(r["eager_first_call_s"], 2) if key == "eager" else extra.get("first_call_s")
+                     if key == "block_fusion" else f"warm-up {extra.get('warmup_first_two_calls_s')}")
+            goal = f">= {GOALS.get(label)}" if key == "block_fusion" else ""
+            kernels = r.get("kernels_per_forward", {}).get(key, "")
+            lines.append(f"| {label} | {key} | {t['median_ms']:.2f} | {t['speedup_vs_eager']:.3f} "
+                         f"({t['paired_speedup_median']:.3f}) | {goal} | {bitwise} | {first} | {kernels} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for block_fusion.json")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved paired rounds (>= 5)")
+    p.add_argument("--target-ms", type=float, default=250.0, help="time per sample (iterations chosen from it)")
+    p.add_argument("--skip-compile", action="store_true", help="no torch.compile regional anchor")
+    p.add_argument("--compile-w81", action="store_true", help="also compile at W81 (long warm-up)")
+    p.add_argument("--workloads", default="W17,W81,SANA480p", help="comma-separated subset")
+    p.add_argument("--smoke", action="store_true", help="tiny models and latents on the CPU (TRITON_INTERPRET=1)")
+    args = p.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.smoke:
+        args.rounds, args.target_ms = 2, 1.0
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_cold_"))  # first call = cold start
+    shapes = {**(SMOKE_WORKLOADS if args.smoke else WORKLOADS), "SANA480p": (2, 8, 8) if args.smoke else SANA_LATENT}
+    results: dict[str, Any] = {"note": RANDOM_NOTE, "goals": {**GOALS, "first_call_s": FIRST_CALL_GOAL_S},
+                               "provenance": provenance(device, extra_packages=("diffusers", "triton"))}
+    for label in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        family = "sana" if label.startswith("SANA") else "wan"
+        with_compile = not args.skip_compile and family == "wan" and (label == "W17" or args.compile_w81)
+        try:
+            results[label] = workload(label, family, shapes[label], args, device, with_compile)
+        except Exception as exc:
+            results[label] = {"errors": {"workload": f"{type(exc).__name__}: {exc}"}}
+            traceback.print_exc()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "block_fusion.json").write_text(json.dumps(results, indent=1, default=str))
+    for label, r in results.items():
+        if isinstance(r, dict) and r.get("errors"):
+            print(f"{label} errors: {r['errors']}")
+        if isinstance(r, dict) and "block_fusion" in r:
+            print(f"{label} block_fusion receipts: fallbacks={r['block_fusion']['fallbacks']} "
+                  f"not_executed={r['block_fusion']['claimed_not_executed']}")
+    print(f"wrote {out / 'block_fusion.json'}")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Frozen, validated options of ``wan_block_fusion`` and ``sana_block_fusion``.
+
+Spec::
+
+    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"],
+                          "min_tokens": 0, "blocks": null}}
+    {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention"]}}
+
+Example:
+    >>> WanOptions.from_mapping({"chains": ["rope"]}).chains
+    ('rope',)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Final
+
+from worldfoundry.plugin import OptionValueError, PluginOptions, choice, integer, option, optional, sequence_of
+
+WAN_NAME: Final = "wan_block_fusion"
+SANA_NAME: Final = "sana_block_fusion"
+
+#: Wan chains: ``modulate`` (norm1/norm3 output x (1 + scale) + shift and the cast, the modulation-table add and
+#: split folded in), ``gated_residual`` (``(x.float() + y * gate).type_as(x)`` after self-attention and FFN),
+#: ``cross_residual`` (``x + cross_attention(x)``), ``rope`` (Q/K rotary after the across-heads RMSNorm, one launch
+#: for both), ``float_carry`` (the residual kernels also write the float32 stream the next LayerNorm reads, so the
+#: eager ``hidden_states.float()`` casts do not run).
+WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry")
+#: SANA-Video chains: ``modulate``, ``gated_residual``, ``cross_residual`` as for Wan (rounded per operation, as
+#: eager's bfloat16 arithmetic), ``linear_attention`` (ReLU + rotary + float casts of Q/K/V, and the final
+#: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor).
+SANA_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "linear_attention")
+
+
+@dataclass(frozen=True)
+class WanOptions(PluginOptions):
+    """Options of ``wan_block_fusion``.
+
+    Attributes:
+        chains: which chains run fused (default: all); the others run as eager's torch operations.
+        min_tokens: blocks called with fewer tokens per sample run the original forward (counted as fallbacks).
+        blocks: indices of the blocks to fuse (default: every block).
+    """
+
+    plugin_name: ClassVar[str] = WAN_NAME
+    known_chains: ClassVar[tuple[str, ...]] = WAN_CHAINS
+
+    chains: tuple[str, ...] = option(WAN_CHAINS, sequence_of(choice(*WAN_CHAINS), min_items=1, unique=True))
+    min_tokens: int = option(0, integer(min=0, max=2**40))
+    blocks: tuple[int, ...] | None = option(None, optional(sequence_of(integer(min=0, max=100_000), min_items=1,
+                                                                       unique=True)))
+
+    def validate(self) -> None:
+        if "float_carry" in self.chains and not {"gated_residual", "cross_residual"} & set(self.chains):
+            raise OptionValueError("chains", "float_carry needs gated_residual or cross_residual (the kernels that "
+                                             "write the float32 stream)")
+
+
+@dataclass(frozen=True)
+class SanaOptions(PluginOptions):
+    """Options of ``sana_block_fusion`` (fields as :class:`WanOptions`)."""
+
+    plugin_name: ClassVar[str] = SANA_NAME
+    known_chains: ClassVar[tuple[str, ...]] = SANA_CHAINS
+
+    chains: tuple[str, ...] = option(SANA_CHAINS, sequence_of(choice(*SANA_CHAINS), min_items=1, unique=True))
+    min_tokens: int = option(0, integer(min=0, max=2**40))
+    blocks: tuple[int, ...] | None = option(None, optional(sequence_of(integer(min=0, max=100_000), min_items=1,
+                                                                       unique=True)))
+
+
+__all__ = ["SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]

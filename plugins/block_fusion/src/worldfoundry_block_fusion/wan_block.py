@@ -1,0 +1,215 @@
+"""Fused forward of diffusers 0.42's ``WanTransformerBlock`` and its self-attention processor.
+
+:meth:`WanBlockRuntime.block_forward` performs the block's computation in eager's order, calling the same
+modules eager calls (``norm1``/``norm2``/``norm3``, ``attn1``, ``attn2``, ``ffn`` -- so wrappers other plugins put
+on projections, norms or the FFN run as usual) and replacing only the pointwise chains between them:
+
+=====================  ==========================================================  ===========================
+chain                  eager                                                       fused
+=====================  ==========================================================  ===========================
+(modulation table)     ``(table + temb.float()).chunk(6, dim=1)``                   read inside the kernels
+``modulate``           ``(norm1(x.float()) * (1 + scale) + shift).type_as(x)``      LayerNorm (torch) + 1 kernel
+``gated_residual``     ``(x.float() + attn * gate).type_as(x)`` (and FFN's)        1 kernel
+``cross_residual``     ``x + attn2(...)``                                          1 kernel
+``float_carry``        ``x.float()`` before norm2, norm3 and the next norm1         written by the kernel above
+``rope``               eight kernels for each of Q and K                           1 kernel for both
+=====================  ==========================================================  ===========================
+
+A call that cannot take the fused path (CPU without Triton's interpreter, grad mode, an unsupported dtype or
+layout, fewer tokens than ``min_tokens``) runs the original forward and is counted as a fallback with its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from diffusers.models.transformers import transformer_wan
+
+from worldfoundry.core.acceleration.context import current_request_id
+from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
+from worldfoundry.core.fusion.rope import reference_rope, rope_qk
+from worldfoundry.core.fusion.triton_support import unavailable_reason
+from worldfoundry_block_fusion.eligibility import (
+    REASON_GRAD,
+    REASON_TOKENS,
+    FloatCarry,
+    modulation_reason,
+    rotary_reason,
+    stream_reason,
+)
+from worldfoundry_block_fusion.handle import FusionCounters
+
+
+class WanBlockRuntime:
+    """State shared by the fused blocks of one model: options, counters and the float32 carry."""
+
+    def __init__(self, counters: FusionCounters, chains: tuple[str, ...], min_tokens: int,
+                 blocks: list[tuple[str, nn.Module]]) -> None:
+        self.counters = counters
+        self.min_tokens = min_tokens
+        self.modulate = "modulate" in chains
+        self.gate = "gated_residual" in chains
+        self.cross = "cross_residual" in chains
+        self.rope = "rope" in chains
+        self.carry_enabled = "float_carry" in chains
+        self.carry = FloatCarry()
+        self._next = {id(block): (blocks[i + 1][1] if i + 1 < len(blocks) else None)
+                      for i, (_, block) in enumerate(blocks)}
+
+    # ------------------------------------------------------------------ the block
+    def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                        rotary_emb: torch.Tensor) -> torch.Tensor:
+                reason = stream_reason(hidden_states, self.min_tokens) or modulation_reason(
+                    hidden_states, block.scale_shift_table[0], temb)
+                if reason is not None:
+                    self.carry.clear()
+                    self.counters.fallback(path, reason)
+                    return original(hidden_states, encoder_hidden_states, temb, rotary_emb)
+                return self.block_forward(block, path, hidden_states, encoder_hidden_states, temb, rotary_emb)
+
+            return forward
+
+        return make
+
+    def block_forward(self, block: nn.Module, path: str, x: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      temb: torch.Tensor, rotary_emb: Any) -> torch.Tensor:
+        """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed)."""
+        rid = current_request_id()
+        fused = self.counters.fused
+        table = block.scale_shift_table[0]
+        carry = self.carry_enabled and x.dtype != torch.float32
+        mods = None if (self.modulate and self.gate) else _eager_modulation(block.scale_shift_table, temb)
+        xf = self.carry.take(x, block) if carry else None
+        if xf is None:
+            xf = x.float()
+        else:
+            fused(path, "float_carry", rid)  # counted where a carried float32 stream replaces a .float() cast
+        # 1. self-attention
+        n = block.norm1(xf)
+        if self.modulate:
+            h = modulate(n, table, temb, 0, 1, out_dtype=x.dtype)[0]
+            fused(path, "modulate", rid)
+        else:
+            h = (n * (1 + mods[1]) + mods[0]).type_as(x)
+        attn = block.attn1(h, None, None, rotary_emb)
+        x, xf = self._gate(x, xf, attn, block.scale_shift_table, temb, 2, mods, carry, path, rid)
+        if xf is None:
+            xf = x.float()
+        # 2. cross-attention
+        h = block.norm2(xf).type_as(x)
+        attn = block.attn2(h, encoder_hidden_states, None, None)
+        if self.cross and attn.dtype == x.dtype and attn.shape == x.shape:
+            x, carried = residual_add(x, attn, with_float=carry)
+            xf = carried if carried is not None else x.float()
+            fused(path, "cross_residual", rid)
+            if carry:
+                fused(path, "float_carry", rid)
+        else:
+            x = x + attn
+            xf = x.float()
+        # 3. feed-forward
+        n = block.norm3(xf)
+        if self.modulate:
+            h = modulate(n, table, temb, 3, 4, out_dtype=x.dtype)[0]
+            fused(path, "modulate", rid)
+        else:
+            h = (n * (1 + mods[4]) + mods[3]).type_as(x)
+        ff = block.ffn(h)
+        consumer = self._next[id(block)] if carry else None
+        # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
+        x, xf = self._gate(x, xf, ff, block.scale_shift_table, temb, 5, mods, carry, path, rid)
+        if consumer is not None and xf is not None:
+            self.carry.put(x, xf, block, consumer)
+        return x
+
+    def _gate(self, x: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, full_table: torch.Tensor, temb: torch.Tensor,
+              k: int, mods: list[torch.Tensor] | None, carry: bool, path: str,
+              rid: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x.float() + y.float() * gate).type_as(x)`` and, when carried, its float32 value."""
+        if self.gate and y.shape == x.shape:
+            # reads x (bfloat16), not its float32 copy: the same values, half the bytes
+            out, carried = gated_residual(x, y, full_table[0], temb, k, with_float=carry)
+            self.counters.fused(path, "gated_residual", rid)
+            if carried is not None:
+                if k != 5:  # the FFN gate's float32 output is counted when the next block uses it
+                    self.counters.fused(path, "float_carry", rid)
+                return out, carried
+            return out, (out if out.dtype == torch.float32 else None)  # a float32 stream is its own float value
+        if mods is None:
+            mods = _eager_modulation(full_table, temb)
+        out = (xf + y.float() * mods[k]).type_as(x)
+        return out, None
+
+    # ------------------------------------------------------------------ the self-attention processor
+    def make_processor(self, original: Any, path: str) -> WanFusedSelfAttnProcessor:
+        return WanFusedSelfAttnProcessor(original, self, path)
+
+
+def _eager_modulation(table: torch.Tensor, temb: torch.Tensor) -> list[torch.Tensor]:
+    """The six modulation tensors exactly as eager computes them."""
+    if temb.ndim == 4:
+        return [t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    return list((table + temb.float()).chunk(6, dim=1))
+
+
+class WanFusedSelfAttnProcessor:
+    """``WanAttnProcessor`` for self-attention with the Q/K rotary embedding as one kernel launch.
+
+    Everything else is the processor's own code path: ``_get_qkv_projections`` (so diffusers' or another plugin's
+    fused projections apply), ``norm_q``/``norm_k``, ``dispatch_attention_fn`` with the processor's backend, and
+    ``to_out``. Cross-attention calls (``encoder_hidden_states`` given) go to the original processor.
+    """
+
+    def __init__(self, original: Any, runtime: WanBlockRuntime, path: str) -> None:
+        self.original = original
+        self.runtime = runtime
+        self.path = path
+        self._attention_backend = getattr(original, "_attention_backend", None)
+        self._parallel_config = getattr(original, "_parallel_config", None)
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if encoder_hidden_states is not None or attn.add_k_proj is not None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        # looked up in diffusers' module at call time, as the stock processor resolves them (a patch there applies)
+        query, key, value = transformer_wan._get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = self._rotary(query, key, rotary_emb)
+        hidden_states = transformer_wan.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+    def _rotary(self, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        runtime = self.runtime
+        if torch.is_grad_enabled():
+            reason = REASON_GRAD
+        else:
+            reason = unavailable_reason(query) or rotary_reason(query, rotary_emb)
+            if reason is None and key.shape != query.shape:
+                reason = "key and query shapes differ"
+            if reason is None and query.shape[1] < runtime.min_tokens:
+                reason = REASON_TOKENS
+        if reason is None:
+            runtime.counters.fused(self.path, "rope")
+            return rope_qk(query, key, *rotary_emb)
+        runtime.counters.fallback(self.path, f"rope: {reason}")
+        return reference_rope(query, *rotary_emb), reference_rope(key, *rotary_emb)
+
+
+__all__ = ["WanBlockRuntime", "WanFusedSelfAttnProcessor"]

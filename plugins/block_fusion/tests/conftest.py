@@ -1,0 +1,126 @@
+"""Tiny Wan / SANA-Video models, their inputs, and a registry of the plugins block fusion composes with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+
+WAN_TINY = dict(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32,
+                freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64)
+SANA_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+                 num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
+                 patch_size=(1, 2, 2), sample_size=8, rope_max_seq_len=64)
+
+
+def build_wan(dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: Any) -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**{**WAN_TINY, **overrides}).eval()
+    return apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+
+
+def wan_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1, *, text_tokens: int = 24, frames: int = 2,
+               image_tokens: int = 0, timestep: torch.Tensor | None = None) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    inputs: dict[str, Any] = {
+        "hidden_states": torch.randn(1, 16, frames, 8, 8, generator=g).to(dtype),
+        "timestep": timestep if timestep is not None else torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, text_tokens, 32, generator=g).to(dtype),
+        "return_dict": False,
+    }
+    if image_tokens:
+        inputs["encoder_hidden_states_image"] = torch.randn(1, image_tokens, 32, generator=g).to(dtype)
+    return inputs
+
+
+def build_sana(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    from diffusers import SanaVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = SanaVideoTransformer3DModel(**SANA_TINY).eval()
+    return apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+
+
+def sana_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype), "timestep": torch.tensor([500]),
+            "encoder_hidden_states": torch.randn(1, 12, 32, generator=g).to(dtype), "return_dict": False}
+
+
+def run(model: nn.Module, inputs: dict[str, Any], request_id: str | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        if request_id is None:
+            return model(**inputs)[0]
+        with request_scope(RequestContext(request_id)):
+            return model(**inputs)[0]
+
+
+def make_registry() -> AccelerationRegistry:
+    from worldfoundry_block_fusion import sana_plugin, wan_plugin
+
+    reg = AccelerationRegistry(discover=False)
+    reg.register("wan_block_fusion", wan_plugin.prepare)
+    reg.register("sana_block_fusion", sana_plugin.prepare)
+    return reg
+
+
+def full_registry() -> AccelerationRegistry:
+    """Block fusion and every plugin it is meant to compose (or conflict) with."""
+    from worldfoundry_attention_lora.plugin import prepare_attention_lora as lora
+    from worldfoundry_easycache.plugin import prepare as easycache
+    from worldfoundry_optimized_mha.plugin import prepare as mha
+    from worldfoundry_resident_blocks.plugin import prepare as resident
+    from worldfoundry_selective_fp8.plugin import prepare as fp8
+    from worldfoundry_wan_cross_kv_fusion.plugin import prepare as cross_kv
+
+    reg = make_registry()
+    for name, factory in (("attention_lora", lora), ("easycache", easycache), ("optimized_mha", mha),
+                          ("resident_blocks", resident), ("selective_fp8", fp8), ("wan_cross_kv_fusion", cross_kv)):
+        reg.register(name, factory)
+    return reg
+
+
+def record_of(session: Any, request_id: str, name: str = "wan_block_fusion") -> dict[str, Any]:
+    return session.execution_report()["plugins"][name]["model"]["requests"][request_id]
+
+
+def structure(model: nn.Module) -> dict[str, Any]:
+    """What an exact restore must give back: state dict values, Parameter identities, forwards and processors."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "params": {k: id(v) for k, v in model.named_parameters()},
+        "forwards": {n: m.__dict__.get("forward") for n, m in model.named_modules()},
+        "processors": {n: id(getattr(m, "processor", None)) for n, m in model.named_modules()},
+    }
+
+
+def assert_same_structure(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["params"] == b["params"] and a["forwards"] == b["forwards"] and a["processors"] == b["processors"]
+    assert a["state"].keys() == b["state"].keys()
+    for key, value in a["state"].items():
+        assert torch.equal(value, b["state"][key]), key
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless the kernels can run here (CUDA, or Triton's interpreter on the CPU)."""
+    from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
+
+    if not TRITON_AVAILABLE or not (interpreter_enabled() or torch.cuda.is_available()):
+        pytest.skip("needs triton (TRITON_INTERPRET=1 on the CPU)")
+
+
+@pytest.fixture
+def kit() -> Any:
+    """This module's builders and helpers (tests run in importlib mode and cannot import it)."""
+    import sys
+
+    return sys.modules[__name__]

@@ -1,0 +1,154 @@
+"""``wan_block_fusion`` on tiny Wan models (CPU, Triton interpreter): bitwise to eager, receipts, exact restore,
+visible fallbacks."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry.core.fusion.triton_support import REASON_DEVICE
+from worldfoundry_block_fusion.eligibility import REASON_GRAD, REASON_TOKENS
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+
+@pytest.fixture(autouse=True)
+def _helpers(kit) -> None:  # noqa: ANN001
+    globals().update(build_wan=kit.build_wan, wan_inputs=kit.wan_inputs, run=kit.run, record_of=kit.record_of,
+                     structure=kit.structure, assert_same_structure=kit.assert_same_structure,
+                     make_registry=kit.make_registry)
+ALL = {"modulate": 4, "gated_residual": 4, "cross_residual": 2, "rope": 2}
+
+
+def install(model, options=None, **kwargs):
+    return install_diffusion_accelerations(model, {"wan_block_fusion": options or {}}, registry=make_registry(),
+                                           **kwargs)
+
+
+def test_bf16_forward_is_bitwise_and_every_chain_is_counted_per_block() -> None:
+    model = build_wan()
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model)
+    out = run(model, inputs, "r1")
+    assert torch.equal(out, dense)
+    record = record_of(session, "r1")
+    assert record["fallbacks"] == {} and record["claimed_not_executed"] == []
+    for chain, n in ALL.items():
+        assert record["counters"][chain] == n, chain
+    # the float32 stream is carried into norm2 and norm3 of each block and into the next block's norm1
+    assert record["counters"]["float_carry"] == 5
+    assert record["modules"]["blocks.0"] == {"modulate": 2, "gated_residual": 2, "cross_residual": 1, "rope": 1,
+                                             "float_carry": 2}
+    assert record["modules"]["blocks.1"]["float_carry"] == 3  # and blocks.0's output stream into its norm1
+    assert session.receipt.to_json()["plugins"][0]["exact"] is True
+    session.uninstall()
+
+
+def test_uninstall_restores_exactly_and_signatures_are_kept() -> None:
+    model = build_wan()
+    inputs = wan_inputs()
+    before = structure(model)
+    dense = run(model, inputs)
+    signature = inspect.signature(model.blocks[0].forward)
+    session = install(model)
+    assert inspect.signature(model.blocks[0].forward) == signature
+    assert type(model.blocks[0].attn1.processor).__name__ == "WanFusedSelfAttnProcessor"
+    run(model, inputs, "r1")
+    session.uninstall()
+    session.uninstall()  # idempotent
+    assert_same_structure(before, structure(model))
+    assert torch.equal(run(model, inputs), dense)
+
+
+@pytest.mark.parametrize("chains", [["modulate"], ["gated_residual"], ["cross_residual", "float_carry"], ["rope"],
+                                    ["modulate", "rope"]])
+def test_each_chain_alone_is_bitwise(chains: list[str]) -> None:
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model, {"chains": chains})
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    counters = record_of(session, "r1")["counters"]
+    assert {c for c in counters if counters[c]} == set(chains)
+    session.uninstall()
+
+
+def test_float32_model_and_selected_blocks() -> None:
+    model = build_wan(torch.float32)
+    inputs = wan_inputs(torch.float32)
+    dense = run(model, inputs)
+    session = install(model, {"blocks": [1]})
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    record = record_of(session, "r1")
+    assert set(record["modules"]) == {"blocks.1"} and "float_carry" not in record["counters"]
+    assert session.receipt.to_json()["plugins"][0]["claims"] == ["blocks.1"]
+    session.uninstall()
+
+
+def test_i2v_and_per_token_timesteps_are_bitwise() -> None:
+    """Wan I2V (image K/V in cross-attention) and Wan 2.2 TI2V's per-token timestep ([B, S, 6, C] modulation)."""
+    model = build_wan(image_dim=32, added_kv_proj_dim=64)
+    inputs = wan_inputs(text_tokens=512, image_tokens=4)
+    dense = run(model, inputs)
+    session = install(model)
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    session.uninstall()
+    model = build_wan(num_layers=1)
+    per_token = wan_inputs(timestep=torch.linspace(100, 900, 32).round().long()[None])  # 32 tokens
+    dense = run(model, per_token)
+    session = install(model)
+    assert torch.equal(run(model, per_token, "r2"), dense)
+    assert record_of(session, "r2")["counters"]["modulate"] == 2
+    session.uninstall()
+
+
+def test_cpu_without_the_interpreter_falls_back_visibly(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    record = record_of(session, "r1")
+    assert record["module_fallbacks"]["blocks.0"] == {REASON_DEVICE: 1, f"rope: {REASON_DEVICE}": 1}
+    assert record["claimed_not_executed"] == ["blocks.0"]
+    session.uninstall()
+
+
+def test_grad_mode_and_min_tokens_fall_back() -> None:
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model, {"min_tokens": 33})  # 32 tokens per sample
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    assert record_of(session, "r1")["module_fallbacks"]["blocks.0"] == {REASON_TOKENS: 1, f"rope: {REASON_TOKENS}": 1}
+    session.uninstall()
+    session = install(model)
+    out = model(**inputs)[0]  # grad mode on: the kernels are inference-only
+    assert torch.equal(out.detach(), dense)
+    reasons = record_of(session, "<no-request>")["module_fallbacks"]["blocks.0"]
+    assert reasons == {REASON_GRAD: 1, f"rope: {REASON_GRAD}": 1}
+    session.uninstall()
+
+
+def test_a_hook_added_after_install_still_runs_and_stays_bitwise() -> None:
+    """The float32 carry is not used across a hook that could change the stream between blocks."""
+    model = build_wan()
+    inputs = wan_inputs()
+    session = install(model)
+    seen = []
+    handle = model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.shape) or out * 2)
+    try:
+        out = run(model, inputs, "r1")
+    finally:
+        handle.remove()
+    session.uninstall()
+    handle = model.blocks[0].register_forward_hook(lambda m, a, out: out * 2)
+    dense = run(model, inputs)
+    handle.remove()
+    assert seen and torch.equal(out, dense)
+    assert record_of(session, "r1")["counters"]["float_carry"] == 4

@@ -1,0 +1,52 @@
+"""Core is plugin-neutral: it names no plugin and imports nothing from the model layer or a plugin distribution.
+
+Plugin-specific knowledge (file names, option keys, spec names) lives in the plugin's distribution or is
+passed in; model-family knowledge lives in ``worldfoundry.base_models`` and is handed down as parameters.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "worldfoundry" / "core"
+PLUGIN_SOURCES = sorted((ROOT / "plugins").glob("*/src/worldfoundry_*")) + sorted(
+    (ROOT / "docs" / "examples").glob("*/src/worldfoundry_*"))
+
+
+def _plugin_names() -> set[str]:
+    names = {ep.name for ep in importlib.metadata.entry_points(group="worldfoundry.accelerations")}
+    names |= {path.name.removeprefix("worldfoundry_") for path in PLUGIN_SOURCES}
+    return names
+
+
+def _core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
+
+
+def test_the_plugin_list_is_not_empty() -> None:
+    assert {"easycache", "resident_blocks", "lightvae", "optimized_mha"} <= _plugin_names()
+    assert len(_core_files()) > 20
+
+
+@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_names_no_plugin(path: Path) -> None:
+    text = path.read_text()
+    found = sorted(name for name in _plugin_names() if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w])", text))
+    assert not found, f"{path.relative_to(ROOT)} names plugin(s) {found}; move that knowledge into the plugin"
+
+
+@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_imports_nothing_above_it(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    upward = sorted(m for m in modules if m.startswith(("worldfoundry.base_models", "worldfoundry_",
+                                                       "worldfoundry.plugin", "worldfoundry.cli",
+                                                       "worldfoundry.bench")))
+    assert not upward, f"{path.relative_to(ROOT)} imports {upward}; hand that knowledge down as a parameter"
