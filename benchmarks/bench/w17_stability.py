@@ -6,7 +6,7 @@ without peers. Prints per candidate both verdicts, medians and CI half-widths, t
 (noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
-    python benchmarks/bench/w17_stability.py [--time-budget 10] [--model wan2.1-t2v-1.3b]
+    python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _row(c: dict[str, Any]) -> tuple[str, str, str]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
-    p.add_argument("--time-budget", type=float, default=10.0)
+    p.add_argument("--time-budget", type=float, default=6.0)
     p.add_argument("--max-rounds", type=int, default=20)
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
