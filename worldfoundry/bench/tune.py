@@ -259,9 +259,12 @@ def _survivors(search: _Search, caches: list[dict[str, Any]], others: list[dict[
     return specs
 
 
-def _pick(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest timed record within budget (invalid timing or verdicts excluded)."""
+def _pick(records: list[dict[str, Any]], noisy: bool) -> dict[str, Any] | None:
+    """The fastest timed record within budget (invalid timing or verdicts excluded). On a noisy host the
+    measured medians do not decide: the most skipped model calls do, then the median."""
     valid = [r for r in records if _ok(r) and r.get("speed") and r["verdict"] != "invalid_timing"]
+    if noisy:
+        return max(valid, key=lambda r: (_skipped(r), r["speed"]["median_speedup"]), default=None)
     return max(valid, key=lambda r: r["speed"]["median_speedup"], default=None)
 
 
@@ -288,10 +291,12 @@ def run_tune(config: TuneConfig, *, registry: AccelerationRegistry | None = None
         timed = search.bench("timing", specs, timed=True) if specs else []
     finally:
         search.bar.close()
-    best = _pick(timed)
+    noisy = bool(search.passes and search.passes[-1]["timed"] and search.passes[-1].get("noisy_host"))
+    best = _pick(timed, noisy)
     trace = {"schema": "worldfoundry-tune-v1", "model": search.model, "workload": search.workload,
              "budget": search.budget, "space": space, "left_out": left_out, "passes": search.passes,
-             "chosen": _summary(best) if best else None, "config": {k: v for k, v in asdict(config).items()
+             "chosen": _summary(best) if best else None, "chosen_by": "skipped model calls (noisy host)" if noisy
+             else "median speedup", "config": {k: v for k, v in asdict(config).items()
                                                                       if k != "trace"}}
     (search.out / "tune.json").write_text(json.dumps(trace, indent=2, default=str))
     _write_candidate(search, best)
@@ -323,7 +328,7 @@ def render_tune_report(trace: dict[str, Any]) -> str:
     if chosen:
         lines += ["", f"**Chosen**: `{json.dumps(chosen['accelerations'])}` — median "
                   f"{chosen['median_speedup']:.4g}× (95% CI {chosen['ci95']}), verdict {chosen['verdict']}; "
-                  "written to `tuned.json`."]
+                  f"chosen by {trace['chosen_by']}; written to `tuned.json`."]
     else:
         lines += ["", "**No configuration** within the budget was faster than dense (nothing written)."]
     for p in trace["passes"]:
