@@ -146,6 +146,22 @@ class AccelerationRestoreError(WorldFoundryError, RuntimeError):
         super().__init__(f"{len(self.errors)} patch(es) failed to undo: {lines}")
 
 
+class OwnershipCollisionError(WorldFoundryError, RuntimeError):
+    """Uninstall would overwrite or remove something that was changed after install (by the user or another
+    library). Nothing was changed; ``.collisions`` lists each one."""
+
+    def __init__(self, collisions: Sequence[str]) -> None:
+        self.collisions = tuple(collisions)
+        listed = "; ".join(self.collisions[:10])
+        if len(self.collisions) > 10:
+            listed += f"; ... ({len(self.collisions)} in all)"
+        super().__init__(
+            f"uninstall refused, nothing was changed: {len(self.collisions)} change(s) made after install sit on "
+            f"top of what uninstall must undo: {listed}. Undo those changes first (e.g. disable_cache(), "
+            "remove_all_hooks(), unfuse_qkv_projections(), unload_lora_weights()), uninstall, then apply them again"
+        )
+
+
 class InferenceViewError(WorldFoundryError, RuntimeError):
     """A weight-changing acceleration is active; the requested operation needs the canonical model."""
 
@@ -212,6 +228,13 @@ class CommandLineError(WorldFoundryError, ValueError):
     def __init__(self, flag: str, message: str) -> None:
         self.flag = flag
         super().__init__(f"{flag}: {message}")
+class ArtifactFormatError(ArtifactMismatchError):
+    """An artifact file is malformed: ``.file`` and ``.field`` name where (e.g. ``linears['x'].tensors.qweight``)."""
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        self.file = file
+        self.field = field
+        super().__init__(f"{file}: {field}: {message}")
 
 
 class InvalidRequestError(WorldFoundryError, ValueError):

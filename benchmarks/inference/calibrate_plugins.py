@@ -17,6 +17,8 @@ Usage::
     python benchmarks/inference/calibrate_plugins.py lightvae_fp8 --checkpoint lightvaew2_1.pth \
         --reference calibration_11.pt calibration_12.pt --include 'encoder.*' --frames 17 --out lightvae-fp8.pt
     python benchmarks/inference/calibrate_plugins.py lightvae_fp8 --smoke --out /tmp/lightvae-fp8.pt   # CPU
+    python benchmarks/inference/calibrate_plugins.py svdquant --include 'blocks.*.ffn.0' 'blocks.*.ffn.2' \
+        --rank 32 --frames 17 --out /tmp/calibration-new/svdquant.pt --save-references /tmp/calibration-new/rgb
 """
 
 from __future__ import annotations
@@ -120,6 +122,27 @@ register_calibration(Calibration(
 ))
 
 
+# --------------------------------------------------------------------------------------------- svdquant
+
+
+def _svdquant_arguments(p: argparse.ArgumentParser) -> None:
+    from worldfoundry.cli.calibrate_cmd import add_svdquant_arguments
+
+    add_svdquant_arguments(p)
+
+
+def _run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
+    from worldfoundry.cli.calibrate_cmd import run_svdquant
+
+    return run_svdquant(args)
+
+
+register_calibration(Calibration(
+    "svdquant", "SVDQuant low-rank + INT4 residual Linears of a recipe's DiT (worldfoundry-svdquant-v1)",
+    _svdquant_arguments, _run_svdquant,
+))
+
+
 # --------------------------------------------------------------------------------------------- CLI
 
 
@@ -135,7 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     summary = CALIBRATIONS[args.calibration].run(args)
-    report = write_json(Path(summary["artifact"]).parent, f"{Path(summary['artifact']).stem}.json", summary)
+    artifact = Path(summary["artifact"])
+    name = f"{artifact.stem}.summary.json" if artifact.suffix == ".json" else f"{artifact.stem}.json"
+    report = write_json(artifact.parent, name, summary)  # never over a .json artifact manifest
     print(f"artifact: {summary['artifact']}  (summary {report})")
     for path, entry in summary.get("convolutions", {}).items():
         print(f"  {path:<40} amax {entry['amax']:.4g}  calls {entry['calls']}")

@@ -25,6 +25,7 @@ def test_python_examples_run(page: str, monkeypatch, capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     if page == "README.md":
         assert "(9, 32, 32, 3) {'computed': 24}" in out
+        assert "True {'computed': 8}" in out  # the diffusers-pipeline example
     else:
         assert "torch.Size([1, 16, 2, 4, 4]) (5, 32, 32, 3) True" in out
 

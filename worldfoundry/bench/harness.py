@@ -236,7 +236,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if config.peers and not config.quality_only:
         from worldfoundry.bench.peers import run_peers
 
-        results["peers"] = run_peers(config.peers, runner, dense, seeds, tpolicy, config)
+        results["peers"] = run_peers(config.peers, runner, dense, seeds, tpolicy)
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))

@@ -203,10 +203,9 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
     return row
 
 
-def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy,
-              config: Any = None) -> list[dict[str, Any]]:
+def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int],
+              policy: TimingPolicy) -> list[dict[str, Any]]:
     """Rows for the requested peers (skipped ones say why)."""
-    del config
     to_run, rows = resolve_peers(names, runner.pipe.policy.device)
     for name in to_run:
         rows.append(run_peer(name, runner, dense, seeds, policy))

@@ -107,12 +107,11 @@ def run_rounds(pair: Callable[[int], tuple[float, float]], policy: TimingPolicy,
     return summary
 
 
-def model_calls(workload: Mapping[str, Any], experts: int = 1) -> int:
-    """Model calls of one request: steps x CFG branches (the sum over experts is the same count)."""
+def model_calls(workload: Mapping[str, Any]) -> int:
+    """Model calls of one request: steps x CFG branches (routed experts share these calls)."""
     steps = int(workload.get("steps") or 0)
     guidance = workload.get("guidance")
     branches = 2 if guidance is not None and float(guidance) > 1.0 else 1
-    del experts
     return steps * branches
 
 

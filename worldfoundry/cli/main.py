@@ -29,6 +29,7 @@ COMMANDS: Final[dict[str, str]] = {
     "generate": "worldfoundry.cli.generate_cmd",
     "estimate-residency": "worldfoundry.cli.estimate_residency_cmd",
     "bench": "worldfoundry.cli.bench_cmd",
+    "calibrate": "worldfoundry.cli.calibrate_cmd",
     "tune": "worldfoundry.cli.tune_cmd",
 }
 

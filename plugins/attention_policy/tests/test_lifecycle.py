@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from worldfoundry.core.acceleration.guard import attach_request_guard
+
 import inspect
 
 import pytest
@@ -114,9 +116,9 @@ def test_cross_shorthand_on_a_text_only_model_skips_image_cross(wan_case, regist
 
 
 def test_refused_while_a_request_runs(wan_case, registry) -> None:
+    guard = attach_request_guard(wan_case.model)  # as the loader does: the guard outlives the session
     session = install_diffusion_accelerations(wan_case.model, {"attention_policy": {"self": TEST_PROVIDER}},
                                               registry=registry)
-    guard = get_request_guard(wan_case.model)
     with guard.request("busy"):
         with pytest.raises(ModelBusyError):
             session.uninstall()

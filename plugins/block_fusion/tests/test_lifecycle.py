@@ -26,7 +26,7 @@ def test_options_defaults_and_errors() -> None:
     assert WanOptions.from_mapping({"blocks": [2, 0], "min_tokens": 64}).to_json() == {
         "chains": list(WAN_CHAINS), "min_tokens": 64, "blocks": [2, 0]}
     cases = [({"chain": ["rope"]}, "unknown option"), ({"chains": ["linear_attention"]}, "chains\\[0\\]"),
-             ({"chains": []}, "chains"), ({"chains": ["rope", "rope"]}, "repeated"), ({"min_tokens": -1}, "min_tokens"),
+             ({"chains": []}, "chains"), ({"chains": ["rope", "rope"]}, "twice"), ({"min_tokens": -1}, "min_tokens"),
              ({"blocks": [-1]}, "blocks\\[0\\]"), ({"chains": ["float_carry"]}, "float_carry needs")]
     for options, match in cases:
         with pytest.raises(AccelerationOptionsError, match=match):

@@ -70,7 +70,7 @@ def test_replay_is_bitwise_equal_to_the_same_stack_eager(tools: Any, stack: dict
     for i, out in enumerate(outputs):
         assert torch.equal(out, reference[i % len(reference)]), i
     report = tools.graphs(session)
-    assert report["backend"] == "cuda_graph"
+    assert report["backend"] == "cuda"
     assert report["totals"]["captures"] == 1 and report["totals"]["capture_failures"] == 0, report
     assert report["pool_bytes"] > 0
     replays = tools.graph_record(session, "g2")["modules"]["<root>"]["replay"]

@@ -3,6 +3,8 @@ while busy, composition with the other built-in plugins (bitwise equal to the sa
 
 from __future__ import annotations
 
+from worldfoundry.core.acceleration.guard import attach_request_guard
+
 import inspect
 from typing import Any
 
@@ -258,8 +260,8 @@ def test_refusals_and_busy(tools: Any, wan: Any, registry: AccelerationRegistry)
     with pytest.raises(AccelerationRefusedError, match="captured in a CUDA graph"):
         install_diffusion_accelerations(wan.model, {"cuda_graph": True}, registry=registry)
     del wan.model.__dict__[CUDA_GRAPH_MARKER]
+    guard = attach_request_guard(wan.model)  # as the loader does: the guard outlives the session
     session = install_diffusion_accelerations(wan.model, {"cuda_graph": True}, registry=registry)
-    guard = wan.model._worldfoundry_guard
     with guard.request("busy"):
         with pytest.raises(ModelBusyError):
             session.uninstall()

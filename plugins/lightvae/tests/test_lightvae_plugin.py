@@ -35,7 +35,7 @@ from worldfoundry.base_models.diffusion_model.codec_fp8 import (
     save_artifact,
 )
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
-from worldfoundry.core.acceleration.guard import get_request_guard
+from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.prepared import (
     ROLE_QUANTIZATION,
@@ -205,9 +205,10 @@ def test_uninstall_restores_the_encoder_exactly(files, fp8):
     assert not any("_conv_forward" in m.__dict__ for _, m in convs)
     assert codec.fp8_session is None and "_worldfoundry_accelerations" not in encoder.__dict__
     for name, module in encoder.named_modules():
-        current = {k: v for k, v in module.__dict__.items() if k != "_worldfoundry_guard"}
+        current = {k: v for k, v in module.__dict__.items() if k not in ("_worldfoundry_guard", "_apply")}
         saved = {k: v for k, v in attributes[name].items()
-                 if k not in ("_conv_forward", "_worldfoundry_accelerations", "_worldfoundry_guard")}
+                 if k not in ("_conv_forward", "_worldfoundry_accelerations", "_worldfoundry_guard", "_apply",
+                              "__deepcopy__", "__reduce_ex__")}
         assert current.keys() == saved.keys() and all(current[k] is saved[k] or current[k] == saved[k] for k in saved)
     assert all(torch.equal(v, before[k]) for k, v in codec.module.state_dict().items())
     assert torch.equal(codec.encode(files["video"]), files["dense"])
@@ -233,6 +234,8 @@ def test_install_and_uninstall_are_refused_while_busy(files, fp8):
     finally:
         guard.end_request("busy")
     codec.close()
+    assert get_request_guard(codec.module.encoder) is None  # the guard the install attached left with it
+    guard = attach_request_guard(codec.module.encoder)
     guard.begin_request("busy-2")
     try:
         with pytest.raises(ModelBusyError, match="busy-2"):

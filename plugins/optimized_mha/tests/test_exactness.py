@@ -126,6 +126,6 @@ def test_replaced_parameter_runs_dense_and_stays_exact(wan_case, registry, build
     record = session.execution_report()["plugins"]["optimized_mha"]["model"]["requests"]["<no-request>"]
     assert record["module_fallbacks"]["blocks.0.attn1.to_k"] == {"parameter_replaced": 1}
     assert record["modules"]["blocks.1.attn1.to_k"] == {"fused_qkv": 1}
-    session.uninstall()  # the session puts the install-time Parameter objects back
-    assert model.blocks[0].attn1.to_k.weight is not new_weight
+    session.uninstall()  # the user's Parameter stays; the others get their own storage back
+    assert model.blocks[0].attn1.to_k.weight is new_weight
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters()))

@@ -196,16 +196,20 @@ def test_standalone_block_call(tiny, registry) -> None:
     session.uninstall()
 
 
-def test_moving_the_model_while_installed_is_refused(tiny, registry) -> None:
+@pytest.mark.parametrize("move", ["to", "double", "half", "block"])
+def test_moving_the_model_while_installed_is_refused_at_the_call(tiny, registry, move) -> None:
     model = tiny.make_tiny_wan()
     reference = tiny.wan_forward(model)
     session, _ = _install(model, registry)
-    model.to(torch.float64)
+    calls = {"to": lambda: model.to(torch.float64), "double": model.double, "half": model.half,
+             "block": lambda: model.blocks[0].to(torch.float64)}
     with pytest.raises(InferenceViewError, match="uninstall resident_blocks first"):
-        tiny.wan_forward(model, {k: (v.double() if v.is_floating_point() else v) for k, v in tiny.wan_inputs().items()})
-    session.uninstall()
-    model.to(torch.float32)
+        calls[move]()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     assert torch.equal(tiny.wan_forward(model), reference)
+    session.uninstall()
+    model.to(torch.float64)  # the advice works: after uninstall the move runs and the model is consistent
+    assert all(p.dtype == torch.float64 for p in model.parameters())
 
 
 def test_weights_written_during_a_request_are_kept(tiny, registry) -> None:

@@ -64,8 +64,10 @@ def test_runs_on_a_tiny_wan_and_restores_it(registry, tiny_wan, run_wan, model_f
 
     with guard.request("r1"), request_scope(RequestContext("r1")):
         out = run_wan(tiny_wan)
-    assert not torch.equal(out, before.output)  # the explicit formula rounds differently...
-    torch.testing.assert_close(out, before.output, rtol=1e-5, atol=1e-5)  # ...but computes the same function
+    # The explicit formula computes the same function; whether it rounds like PyTorch's fused GELU depends on the
+    # CPU's vector code (bitwise equal on some machines, not on others), so only the function is asserted here and
+    # the receipts below prove the explicit path ran.
+    torch.testing.assert_close(out, before.output, rtol=1e-5, atol=1e-5)
 
     report = runtime_optimization_report(tiny_wan)
     json.dumps(report)

@@ -44,16 +44,17 @@ def test_the_table_matches_the_plugin_distributions_and_the_all_extra():
     tomllib = pytest.importorskip("tomllib")
     if not (ROOT / "plugins").is_dir():
         pytest.skip("not a checkout")
-    found = {}
+    found, distributions = {}, set()
     for pyproject in sorted(ROOT.glob("plugins/*/pyproject.toml")):
         project = tomllib.loads(pyproject.read_text())["project"]
+        distributions.add(project["name"])
         for name in project["entry-points"].get("worldfoundry.accelerations", {}):
             found[name] = project["name"]
     assert all(dist == "worldfoundry-" + name.replace("_", "-") or name.startswith(("wan_", "sana_"))
                for name, dist in found.items())  # the naming rule the hint relies on (block_fusion has two names)
     core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     version = core["version"]
-    assert sorted(core["optional-dependencies"]["all"]) == sorted({f"{d}=={version}" for d in found.values()})
+    assert sorted(core["optional-dependencies"]["all"]) == sorted(f"{d}=={version}" for d in distributions)
     for name, dist in found.items():
         if dist == "worldfoundry-" + name.replace("_", "-"):
             assert bundled_distribution(name) == dist, name

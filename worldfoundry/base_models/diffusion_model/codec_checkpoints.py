@@ -21,7 +21,6 @@ import functools
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Final
 
 import torch
 
+from worldfoundry.core.model_loading.file_digest import file_sha256  # noqa: F401 - re-exported
 from worldfoundry.errors import CheckpointError, MissingWeightsError
 
 logger = logging.getLogger(__name__)
@@ -205,29 +205,6 @@ def to_original_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, 
 
 
 # --------------------------------------------------------------------------------------------- hashing
-
-_HASH_CACHE: dict[tuple[str, int, int], str] = {}
-_HASH_LOCK = threading.Lock()
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """SHA256 of a file, computed once per (path, size, mtime) in this process."""
-    real = os.path.realpath(os.fspath(path))
-    stat = os.stat(real)
-    key = (real, stat.st_size, stat.st_mtime_ns)
-    with _HASH_LOCK:
-        cached = _HASH_CACHE.get(key)
-    if cached is not None:
-        return cached
-    digest = hashlib.sha256()
-    with open(real, "rb") as handle:
-        for block in iter(functools.partial(handle.read, 1 << 22), b""):
-            digest.update(block)
-    value = digest.hexdigest()
-    with _HASH_LOCK:
-        _HASH_CACHE[key] = value
-    logger.info("sha256 %s = %s", real, value)
-    return value
 
 
 def parameter_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:

@@ -63,3 +63,22 @@ def request_scope(ctx: RequestContext) -> Iterator[RequestContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def enter_request_context(ctx: RequestContext | None) -> contextvars.Token[RequestContext | None]:
+    """Make ``ctx`` current until :func:`leave_request_context` (for hooks that cannot use a ``with`` block).
+
+    Returns:
+        The token to hand back to :func:`leave_request_context`.
+    """
+    return _CURRENT.set(ctx)
+
+
+def leave_request_context(token: contextvars.Token[RequestContext | None]) -> None:
+    """Undo one :func:`enter_request_context` (tokens are handed back innermost first)."""
+    _CURRENT.reset(token)
+
+
+def replace_request_context(ctx: RequestContext | None) -> None:
+    """Set the current context outright (to put back the caller's after an interrupted call)."""
+    _CURRENT.set(ctx)

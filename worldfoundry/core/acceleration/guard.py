@@ -35,11 +35,17 @@ class RequestGuard:
         self.name = name
         self._lock = threading.Lock()
         self._forwards = 0
-        self._requests: dict[str, None] = {}
+        self._requests: dict[str, int] = {}  # request id -> the thread that began it
         self._mutating: str | None = None
+        self._mutating_thread: int | None = None
         self._listeners: list[RequestListener] = []
-        self._modules: list[Any] = []
+        self._modules: dict[int, tuple[Any, ...]] = {}  # id(module) -> its hook handles
         self._local = threading.local()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copies and pickles are a fresh, idle guard of the same name (locks, counts and listeners are
+        per process and per run; a copied model is a new model)."""
+        return (RequestGuard, (self.name,))
 
     # ------------------------------------------------------------------ state
     @property
@@ -82,12 +88,19 @@ class RequestGuard:
 
     def release_thread_forwards(self) -> int:
         """Forget forwards this thread entered but never left (a ``KeyboardInterrupt`` skips torch's
-        always-called hooks). The runner calls it in ``finally``. Returns how many were released."""
+        always-called hooks) and tell the listeners (``on_release_thread``). The runner calls it when a request
+        fails. Returns how many were released."""
         depth = getattr(self._local, "depth", 0)
         if depth > 0:
             self._local.depth = 0
             with self._lock:
                 self._forwards -= depth
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:  # plugins with per-thread forward state forget it too
+            release = getattr(listener, "on_release_thread", None)
+            if release is not None:
+                release()
         return depth
 
     # ------------------------------------------------------------------ explicit requests
@@ -105,7 +118,7 @@ class RequestGuard:
                 raise ModelBusyError("begin a request", tuple(self._requests), self._forwards, True)
             if request_id in self._requests:
                 raise RequestError(f"request id {request_id!r} is already active; use a unique id per request")
-            self._requests[request_id] = None
+            self._requests[request_id] = threading.get_ident()
             listeners = list(self._listeners)
         try:
             for listener in listeners:
@@ -156,11 +169,32 @@ class RequestGuard:
         with self._lock:
             self._raise_if_busy(action)
             self._mutating = action
+            self._mutating_thread = threading.get_ident()
         try:
             yield
         finally:
             with self._lock:
                 self._mutating = None
+                self._mutating_thread = None
+
+    def check_move(self, action: str = "move the model (.to / dtype / device)") -> None:
+        """Refuse a move of the model's tensors while another thread runs it.
+
+        A move from the thread that runs the request (accelerate's CPU-offload hooks move modules between
+        calls) is allowed; a move from any other thread while a request or forward is active, or while an
+        install/uninstall runs elsewhere, would change tensors under the running request.
+
+        Raises:
+            ModelBusyError: naming the active requests.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            others = [rid for rid, owner in self._requests.items() if owner != me]
+            foreign_forwards = self._forwards - getattr(self._local, "depth", 0)
+            foreign_mutation = self._mutating is not None and self._mutating_thread != me
+            if others or foreign_forwards > 0 or foreign_mutation:
+                raise ModelBusyError(f"{action} from another thread", tuple(others), max(foreign_forwards, 0),
+                                     foreign_mutation)
 
     def add_listener(self, listener: RequestListener) -> None:
         with self._lock:
@@ -179,8 +213,25 @@ class RequestGuard:
         )
 
 
+class GuardedApply:
+    """The instance ``_apply`` of a guarded model: refuses a move from another thread while the model runs
+    (see :meth:`RequestGuard.check_move`), then runs the class's own ``_apply``. Picklable."""
+
+    def __init__(self, guard: RequestGuard, model: nn.Module, previous: Any) -> None:
+        self.guard = guard
+        self.model = model
+        self.previous = previous  # the instance ``_apply`` it replaced (``None``: none)
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.guard.check_move()
+        return type(self.model)._apply(self.model, fn, *args, **kwargs)
+
+
 def attach_request_guard(model: nn.Module, guard: RequestGuard | None = None) -> RequestGuard:
     """Attach a guard to ``model`` (or join ``guard``'s group). Idempotent for the same guard.
+
+    The guard adds a forward pre-hook, an always-called forward hook, the ``_worldfoundry_guard`` attribute and
+    an instance ``_apply`` (cross-thread move refusal); :func:`detach_request_guard` removes exactly these.
 
     Returns:
         The guard now attached to ``model``.
@@ -197,9 +248,43 @@ def attach_request_guard(model: nn.Module, guard: RequestGuard | None = None) ->
         guard = guard or RequestGuard(type(model).__name__)
         pre = model.register_forward_pre_hook(guard._enter_forward)
         post = model.register_forward_hook(guard._exit_forward, always_call=True)
+        object.__setattr__(model, "_apply", GuardedApply(guard, model, model.__dict__.get("_apply")))
         object.__setattr__(model, GUARD_ATTRIBUTE, guard)
-        guard._modules.append((pre, post))
+        guard._modules[id(model)] = (pre, post)  # the hook handles (weak), for diagnostics
         return guard
+
+
+def detach_request_guard(model: nn.Module) -> bool:
+    """Remove what :func:`attach_request_guard` added to ``model`` (hooks, attribute, ``_apply``).
+
+    Returns:
+        ``True`` when a guard was detached, ``False`` when ``model`` had none.
+
+    Raises:
+        ModelBusyError: the guard is running a request or forward.
+    """
+    with _ATTACH_LOCK:
+        guard = get_request_guard(model)
+        if guard is None:
+            return False
+        with guard._lock:
+            if guard._forwards or guard._requests:
+                raise ModelBusyError("detach the request guard", tuple(guard._requests), guard._forwards)
+            guard._modules.pop(id(model), None)
+        for hooks in (model._forward_pre_hooks, model._forward_hooks):
+            for hook_id in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is guard]:
+                del hooks[hook_id]
+                model._forward_hooks_always_called.pop(hook_id, None)
+                model._forward_hooks_with_kwargs.pop(hook_id, None)
+                model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+        apply = model.__dict__.get("_apply")
+        if isinstance(apply, GuardedApply) and apply.guard is guard:
+            if apply.previous is None:
+                del model.__dict__["_apply"]
+            else:
+                model.__dict__["_apply"] = apply.previous
+        del model.__dict__[GUARD_ATTRIBUTE]
+        return True
 
 
 _ATTACH_LOCK = threading.Lock()

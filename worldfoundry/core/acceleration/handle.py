@@ -30,6 +30,14 @@ class RecordedHandle:
         finally:
             self.release()
 
+    def ownership_collisions(self, seen: set[tuple[int, str]], kept: dict[tuple[int, str], str]) -> list[str]:
+        """Changes made since activation on top of this handle's patches (see ``PatchRecorder.collisions``)."""
+        return self.patches.collisions(seen, kept) if self.active else []
+
+    def keep_slots(self, keys: frozenset[tuple[int, str]]) -> None:
+        """Leave slots someone else has set since activation as they are when deactivating."""
+        self.patches.keep(keys)
+
     def release(self) -> None:
         """Drop derived state (packed tensors, caches). Called once after the patches are undone."""
 

@@ -9,7 +9,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from worldfoundry.core.acceleration.guard import RequestGuard, attach_request_guard, get_request_guard
+from worldfoundry.core.acceleration.guard import (
+    RequestGuard,
+    attach_request_guard,
+    detach_request_guard,
+    get_request_guard,
+)
 from worldfoundry.core.acceleration.prepared import ROOT_MODULE, PreparedAcceleration, is_role
 from worldfoundry.core.acceleration.receipts import InstallReceipt, PluginInstallRecord
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
@@ -20,8 +25,10 @@ from worldfoundry.core.acceleration.session import (
     ActiveAcceleration,
     deactivate_all,
 )
+from worldfoundry.core.acceleration.copy_refusal import COPY_REFUSAL, refuse_copies
 from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
-from worldfoundry.core.model_loading.policy import RuntimePolicy, _freeze, normalize_acceleration_spec
+from worldfoundry.core.acceleration.spec import freeze_options, normalize_acceleration_spec
+from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import (
     AccelerationConflictError,
     AccelerationInstallError,
@@ -51,16 +58,27 @@ def normalize_targets(model: ModelOrExperts) -> dict[str, nn.Module]:
     return targets
 
 
-def _shared_guard(targets: Mapping[str, nn.Module]) -> RequestGuard:
+def _shared_guard(targets: Mapping[str, nn.Module]) -> tuple[RequestGuard, tuple[str, ...]]:
+    """The experts' one guard (attached where missing) and the labels it was attached to now."""
     guards = {id(g): g for g in (get_request_guard(m) for m in targets.values()) if g is not None}
     if len(guards) > 1:
         raise ValueError("the experts have different request guards; experts installed together must share one")
     guard: RequestGuard | None = next(iter(guards.values()), None)
+    attached = tuple(label for label, module in targets.items() if get_request_guard(module) is None)
     for module in targets.values():
         guard = attach_request_guard(module, guard)
     if guard is None:  # pragma: no cover - targets is never empty
         raise ValueError("no model to guard")
-    return guard
+    return guard, attached
+
+
+def is_diffusion_pipeline(obj: Any) -> bool:
+    """A diffusers ``DiffusionPipeline`` (checked without importing diffusers when it is not loaded)."""
+    import sys
+
+    module = sys.modules.get("diffusers")
+    pipeline_cls = getattr(module, "DiffusionPipeline", None) if module is not None else None
+    return pipeline_cls is not None and isinstance(obj, pipeline_cls)
 
 
 def _default_policy(targets: Mapping[str, nn.Module]) -> RuntimePolicy:
@@ -102,22 +120,25 @@ def _check_conflicts(prepared: list[tuple[str, PreparedAcceleration]]) -> None:
 
 
 def install_diffusion_accelerations(
-    model: ModelOrExperts,
+    model: ModelOrExperts | Any,
     spec: Mapping[str, Any],
     policy: RuntimePolicy | None = None,
     *,
     registry: AccelerationRegistry | None = None,
-) -> AccelerationSession:
-    """Install accelerations on an idle model (or on a group of experts, as one session).
+) -> AccelerationSession | Any:
+    """Install accelerations on an idle model, a group of experts (one session), or a diffusers pipeline.
 
     Args:
-        model: the diffusers module, or ``{"high": m1, "low": m2}`` for routed experts.
+        model: the diffusers module, ``{"high": m1, "low": m2}`` for routed experts, or a diffusers
+            ``DiffusionPipeline`` (every DiT of it, with a request scope per ``pipe(...)`` call; see
+            :func:`worldfoundry.integrations.diffusers_pipeline.accelerate_pipeline`).
         spec: ``{name: options mapping or True}``.
         policy: runtime policy handed to every factory (defaults to the model's device/dtype).
         registry: where names are looked up (the process default when ``None``).
 
     Returns:
-        The :class:`AccelerationSession`, also attached at ``model._worldfoundry_accelerations``.
+        The :class:`AccelerationSession`, also attached at ``model._worldfoundry_accelerations`` (for a pipeline:
+        a :class:`~worldfoundry.integrations.diffusers_pipeline.PipelineAcceleration`).
 
     Raises:
         ModelBusyError: a request or forward is active.
@@ -127,71 +148,98 @@ def install_diffusion_accelerations(
         AccelerationConflictError: two plans claim the same module/role or declare each other incompatible.
         AccelerationInstallError: activation failed; everything was rolled back (cause chained).
     """
+    if is_diffusion_pipeline(model):
+        from worldfoundry.integrations.diffusers_pipeline import accelerate_pipeline
+
+        return accelerate_pipeline(model, spec, policy, registry=registry)
     targets = normalize_targets(model)
     normalized = normalize_acceleration_spec(spec, where="spec")
     registry = registry if registry is not None else diffusion_acceleration_registry()
     policy = policy if policy is not None else _default_policy(targets)
-    guard = _shared_guard(targets)
-
-    with guard.mutation("install accelerations"):
-        for module in targets.values():
-            existing = module.__dict__.get(SESSION_ATTRIBUTE)
-            if existing is not None:
-                raise SessionAlreadyInstalledError(existing.names)
-        entries = {name: registry.get(name) for name in normalized}  # unknown names raise here
-
-        # 1. prepare all (validation only) and prove nothing changed
-        snapshots = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
-        prepared: list[tuple[str, PreparedAcceleration]] = []
-        try:
-            for name, options in normalized.items():
-                for label, module in targets.items():
-                    plan = _prepare_one(entries[name].factory, name, module, options, policy)
-                    diffs = snapshots[label].differences()
-                    if diffs:
-                        raise AccelerationInstallError(
-                            name, f"its prepare step changed the model ({label}): {diffs[:5]}; prepare must only "
-                            "validate (make changes in activate())"
-                        )
-                    _check_claimed_paths(plan, label, module)
-                    prepared.append((label, plan))
-        except BaseException:
-            for snapshot in snapshots.values():  # put back whatever a prepare step changed before it failed
-                snapshot.restore()
-            raise
-
-        # 2. conflicts, before any activation
-        _check_conflicts(prepared)
-
-        # 3. activate transactionally, in a deterministic order
-        order = sorted(range(len(prepared)), key=lambda i: (prepared[i][1].name, list(targets).index(prepared[i][0])))
-        active: list[ActiveAcceleration] = []
-        for i in order:
-            label, plan = prepared[i]
-            try:
-                handle = plan.activate()
-                if not callable(getattr(handle, "deactivate", None)):
-                    raise TypeError(f"activate() of {plan.name!r} returned {type(handle).__name__} without deactivate()")
-            except BaseException as exc:
-                rollback_errors = deactivate_all(active)
-                drift = [f"{lb}: {d}" for lb, s in snapshots.items() for d in s.restore()]
-                detail = f"{type(exc).__name__}: {exc}"
-                if rollback_errors:
-                    detail += f"; {len(rollback_errors)} rollback error(s): " + "; ".join(map(str, rollback_errors))
-                if drift:
-                    detail += f"; structure restored from snapshot ({len(drift)} difference(s))"
-                if not isinstance(exc, Exception):
-                    raise
-                raise AccelerationInstallError(plan.name, detail) from exc
-            active.append(ActiveAcceleration(plan.name, label, plan, handle))
-
-        receipt = _build_receipt(targets, prepared, entries)
-        session = AccelerationSession(targets, active, receipt, guard, snapshots)
-        for module in targets.values():
-            object.__setattr__(module, SESSION_ATTRIBUTE, session)
-        guard.add_listener(session)
-    logger.info("installed accelerations %s on %s", list(receipt.names), receipt.model_class)
+    guard, attached = _shared_guard(targets)
+    try:
+        with guard.mutation("install accelerations"):
+            session = _install_locked(targets, normalized, policy, registry, guard, attached)
+    except BaseException:
+        for label in attached:  # a refused install leaves no guard behind
+            detach_request_guard(targets[label])
+        raise
+    logger.info("installed accelerations %s on %s", list(session.names), session.receipt.model_class)
     return session
+
+
+def _install_locked(targets: dict[str, nn.Module], normalized: dict[str, dict[str, Any]], policy: RuntimePolicy,
+                    registry: AccelerationRegistry, guard: RequestGuard,
+                    attached: tuple[str, ...]) -> AccelerationSession:
+    """Prepare all, check conflicts, activate; runs inside the guard's mutation."""
+    for module in targets.values():
+        existing = module.__dict__.get(SESSION_ATTRIBUTE)
+        if existing is not None:
+            raise SessionAlreadyInstalledError(existing.names)
+    entries = {name: registry.get(name) for name in normalized}  # unknown names raise here
+    snapshots = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
+    prepared = _prepare_all(targets, normalized, entries, policy, snapshots)
+    _check_conflicts(prepared)
+    active = _activate_all(prepared, targets, snapshots)
+    receipt = _build_receipt(targets, prepared, entries)
+    copies = refuse_copies(targets, receipt.names)
+    installed = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
+    session = AccelerationSession(targets, active, receipt, guard, snapshots, installed, attached)
+    session.add_companion(COPY_REFUSAL, copies)
+    for module in targets.values():
+        object.__setattr__(module, SESSION_ATTRIBUTE, session)
+    guard.add_listener(session)
+    return session
+
+
+def _prepare_all(targets: Mapping[str, nn.Module], normalized: Mapping[str, dict[str, Any]],
+                 entries: Mapping[str, Any], policy: RuntimePolicy,
+                 snapshots: Mapping[str, ModuleTreeSnapshot]) -> list[tuple[str, PreparedAcceleration]]:
+    """Prepare every (acceleration, expert) and prove nothing changed; a failure puts back what prepare did."""
+    prepared: list[tuple[str, PreparedAcceleration]] = []
+    try:
+        for name, options in normalized.items():
+            for label, module in targets.items():
+                plan = _prepare_one(entries[name].factory, name, module, options, policy)
+                diffs = snapshots[label].differences()
+                if diffs:
+                    raise AccelerationInstallError(
+                        name, f"its prepare step changed the model ({label}): {diffs[:5]}; prepare must only "
+                        "validate (make changes in activate())"
+                    )
+                _check_claimed_paths(plan, label, module)
+                prepared.append((label, plan))
+    except BaseException:
+        for snapshot in snapshots.values():  # the install holds the model: only a prepare step changed it
+            snapshot.restore()
+        raise
+    return prepared
+
+
+def _activate_all(prepared: list[tuple[str, PreparedAcceleration]], targets: Mapping[str, nn.Module],
+                  snapshots: Mapping[str, ModuleTreeSnapshot]) -> list[ActiveAcceleration]:
+    """Activate in a deterministic order; on failure deactivate what ran, in reverse, and re-raise."""
+    order = sorted(range(len(prepared)), key=lambda i: (prepared[i][1].name, list(targets).index(prepared[i][0])))
+    active: list[ActiveAcceleration] = []
+    for i in order:
+        label, plan = prepared[i]
+        try:
+            handle = plan.activate()
+            if not callable(getattr(handle, "deactivate", None)):
+                raise TypeError(f"activate() of {plan.name!r} returned {type(handle).__name__} without deactivate()")
+        except BaseException as exc:
+            rollback_errors = deactivate_all(active)
+            drift = [f"{lb}: {d}" for lb, s in snapshots.items() for d in s.restore()]
+            detail = f"{type(exc).__name__}: {exc}"
+            if rollback_errors:
+                detail += f"; {len(rollback_errors)} rollback error(s): " + "; ".join(map(str, rollback_errors))
+            if drift:
+                detail += f"; structure restored from snapshot ({len(drift)} difference(s))"
+            if not isinstance(exc, Exception):
+                raise
+            raise AccelerationInstallError(plan.name, detail) from exc
+        active.append(ActiveAcceleration(plan.name, label, plan, handle))
+    return active
 
 
 def _check_claimed_paths(plan: PreparedAcceleration, label: str, module: nn.Module) -> None:
@@ -213,7 +261,7 @@ def _check_claimed_paths(plan: PreparedAcceleration, label: str, module: nn.Modu
 def _prepare_one(factory: Any, name: str, module: nn.Module, options: dict[str, Any],
                  policy: RuntimePolicy) -> PreparedAcceleration:
     try:
-        plan = factory(module, _freeze(options), policy)
+        plan = factory(module, freeze_options(options), policy)
     except WorldFoundryError:
         raise
     except Exception as exc:

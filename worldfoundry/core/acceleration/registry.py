@@ -24,7 +24,7 @@ PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
 def bundled_distribution(name: str) -> str | None:
     """The distribution of the ``worldfoundry[all]`` extra that provides ``name``, if it is one of them.
 
-    Built-in plugins follow one naming rule (``easycache`` → ``worldfoundry-easycache``); the extra's list in the
+    Built-in plugins follow one naming rule (``my_kernel`` → ``worldfoundry-my-kernel``); the extra's list in the
     installed core's metadata says which exist, so core holds no plugin names.
     """
     candidate = "worldfoundry-" + name.replace("_", "-")

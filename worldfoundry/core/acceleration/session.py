@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from worldfoundry.core.acceleration.guard import RequestGuard, get_request_guard
+from worldfoundry.core.acceleration.guard import RequestGuard, detach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.prepared import AccelerationHandle, PreparedAcceleration, is_role
 from worldfoundry.core.acceleration.receipts import InstallReceipt, jsonable
-from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
-from worldfoundry.errors import AccelerationRestoreError
+from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot, repair_leftovers
+from worldfoundry.errors import AccelerationRestoreError, OwnershipCollisionError
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +35,38 @@ class ActiveAcceleration:
 class AccelerationSession:
     """Returned by :func:`install_diffusion_accelerations` and attached at ``model._worldfoundry_accelerations``.
 
-    ``uninstall()`` restores every model exactly (idempotent), detaches the session and frees derived tensors.
+    ``uninstall()`` undoes exactly what the session changed (idempotent), detaches the session (and the request
+    guard, when the install attached it) and frees derived tensors. Changes made after install by anyone else
+    are kept; one that sits on top of something to undo makes uninstall refuse before changing anything.
     """
 
     def __init__(self, targets: Mapping[str, nn.Module], active: list[ActiveAcceleration], receipt: InstallReceipt,
-                 guard: RequestGuard, snapshots: Mapping[str, ModuleTreeSnapshot]) -> None:
+                 guard: RequestGuard, snapshots: Mapping[str, ModuleTreeSnapshot],
+                 installed_snapshots: Mapping[str, ModuleTreeSnapshot] | None = None,
+                 attached_guard: tuple[str, ...] = ()) -> None:
         self._targets = dict(targets)
         self._active = list(active)
         self.receipt = receipt
         self._guard = guard
         self._snapshots = dict(snapshots)
+        self._installed_snapshots = dict(installed_snapshots or {})
+        self._attached_guard = tuple(attached_guard)
+        self._companions: list[tuple[str, AccelerationHandle]] = []
         self._final_report: dict[str, Any] | None = None
+        #: what install changed that a plugin's undo left (a plugin bug); repaired slot by slot, never touching
+        #: anything changed after install
         self.restore_differences: list[str] = []
+        #: parameters / buffers set by someone else after install in slots the session had changed: kept as is
+        self.kept_changes: list[str] = []
+
+    @property
+    def guard(self) -> RequestGuard:
+        return self._guard
+
+    def add_companion(self, name: str, handle: AccelerationHandle) -> None:
+        """Attach a recorded change made next to the plugins (e.g. a pipeline's request scope). Companions are
+        checked for collisions and undone first on :meth:`uninstall`."""
+        self._companions.append((name, handle))
 
     # ------------------------------------------------------------------ state
     @property
@@ -95,6 +115,16 @@ class AccelerationSession:
         if errors:
             raise errors[0]
 
+    def on_release_thread(self) -> None:
+        """A request failed in this thread: handles forget forwards of this thread that never finished."""
+        for entry in self._active:
+            release = getattr(entry.handle, "release_thread", None)
+            if release is not None:
+                try:
+                    release()
+                except Exception as exc:  # the request's own failure is the one to report
+                    logger.error("releasing this thread's forwards in %s failed: %s", entry.name, exc)
+
     def prepare_request_schedule(self, request_id: str, schedule: Any) -> None:
         for entry in self._active:
             prepare = getattr(entry.handle, "prepare_request_schedule", None)
@@ -121,38 +151,86 @@ class AccelerationSession:
         return {"installed": True, "execution_verified": False, "plugins": plugins}
 
     # ------------------------------------------------------------------ uninstall
+    def collisions(self, kept: dict[tuple[int, str], str] | None = None) -> list[str]:
+        """Changes made after install on top of what uninstall must undo (empty: uninstall is safe).
+
+        Visited in undo order (companions, then plugins newest first), sharing one set of slots, so a slot two
+        of this session's patches changed in turn is checked once, against the last of them.
+
+        Args:
+            kept: filled with the slots whose tensors were replaced since install (they stay as they are).
+        """
+        seen: set[tuple[int, str]] = set()
+        kept = {} if kept is None else kept
+        found: list[str] = []
+        for name, expert, handle in self._undo_order():
+            check = getattr(handle, "ownership_collisions", None)
+            if check is None:
+                continue
+            where = name if expert in ("", SINGLE_MODEL_LABEL) else f"{name} ({expert})"
+            found.extend(f"{where}: {text}" for text in check(seen, kept))
+        return found
+
+    def _undo_order(self) -> list[tuple[str, str, Any]]:
+        visits = [(name, "", handle) for name, handle in reversed(self._companions)]
+        return visits + [(a.name, a.expert, a.handle) for a in reversed(self._active)]
+
     def uninstall(self) -> None:
-        """Deactivate every acceleration in reverse activation order and restore the model(s) exactly.
+        """Deactivate every acceleration in reverse activation order, undoing exactly what each changed.
 
         Raises:
             ModelBusyError: a request or forward is active.
-            AccelerationRestoreError: a plugin's undo failed; the structure was still restored from the
-                install-time snapshot and the session is detached.
+            OwnershipCollisionError: something changed after install sits on top of a change to undo (named
+                each); nothing was changed, the session stays installed.
+            AccelerationRestoreError: a plugin's undo failed; the others were still undone and the session is
+                detached.
         """
         if not self.installed:
             return
         with self._guard.mutation("uninstall accelerations"):
             if not self.installed:  # another thread finished the uninstall first
                 return
+            kept: dict[tuple[int, str], str] = {}
+            collisions = self.collisions(kept)
+            if collisions:
+                raise OwnershipCollisionError(collisions)
+            for _, _, handle in self._undo_order():
+                keep = getattr(handle, "keep_slots", None)
+                if keep is not None:
+                    keep(frozenset(kept))
+            self.kept_changes = sorted(kept.values())
+            if kept:
+                logger.info("uninstall keeps %d value(s) set after install: %s", len(kept), self.kept_changes[:5])
             report = self.execution_report()
             report["installed"] = False
-            errors = deactivate_all(self._active)
+            companions = [ActiveAcceleration(n, "", None, h) for n, h in self._companions]  # type: ignore[arg-type]
+            errors = deactivate_all(companions)
+            errors += deactivate_all(self._active)
             self._guard.remove_listener(self)
-            for model in self._targets.values():
-                if model.__dict__.get(SESSION_ATTRIBUTE) is self:
-                    del model.__dict__[SESSION_ATTRIBUTE]
-            for label, snapshot in self._snapshots.items():
-                diffs = snapshot.restore()
-                if diffs:
-                    logger.warning("uninstall restored drift on %s: %s", label, diffs)
-                    self.restore_differences.extend(f"{label}: {d}" for d in diffs)
+            self._detach()
             self._final_report = report
             self._active.clear()
-            self._snapshots.clear()
-            self._targets.clear()
+            self._companions.clear()
         _collect_device_garbage()
         if errors:
             raise AccelerationRestoreError(errors)
+
+    def _detach(self) -> None:
+        """Drop the session attribute and the guard the install attached, then look for leftovers."""
+        for label, model in self._targets.items():
+            if model.__dict__.get(SESSION_ATTRIBUTE) is self:
+                del model.__dict__[SESSION_ATTRIBUTE]
+            if label in self._attached_guard:
+                detach_request_guard(model)
+        for label, before in self._snapshots.items():
+            after = self._installed_snapshots.get(label)
+            found = repair_leftovers(before, after) if after is not None else []
+            if found:
+                logger.warning("uninstall repaired changes of the install a plugin left on %s: %s", label, found[:10])
+                self.restore_differences.extend(f"{label}: {d}" for d in found)
+        self._snapshots.clear()
+        self._installed_snapshots.clear()
+        self._targets.clear()
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else "uninstalled"

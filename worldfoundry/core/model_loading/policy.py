@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Final
 
 import torch
 
+from worldfoundry.core.acceleration.spec import freeze_options, normalize_acceleration_spec, thaw_options
 from worldfoundry.errors import PolicyError
 
 #: Option keys a policy understands. Unknown keys are rejected so typos never pass silently.
@@ -71,52 +71,10 @@ def parse_device(value: Any) -> torch.device:
     raise PolicyError(f"device: expected a string or torch.device, got {type(value).__name__}")
 
 
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return MappingProxyType({str(k): _freeze(v) for k, v in value.items()})
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def thaw(value: Any) -> Any:
-    """Return plain ``dict``/``list`` copies of a frozen options structure (for JSON and for plugins)."""
-    if isinstance(value, Mapping):
-        return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [thaw(v) for v in value]
-    if isinstance(value, torch.dtype):
-        return dtype_name(value)
-    return value
-
-
-def normalize_acceleration_spec(spec: Any, *, where: str = "accelerations") -> dict[str, dict[str, Any]]:
-    """Validate an accelerations mapping and return ``{name: options dict}``.
-
-    ``True`` means "defaults" (empty options); ``False``/``None`` drop the entry.
-
-    Raises:
-        PolicyError: the spec is not a mapping of names to mappings / booleans.
-    """
-    if spec is None:
-        return {}
-    if not isinstance(spec, Mapping):
-        raise PolicyError(f"{where}: expected a mapping name -> options, got {type(spec).__name__}")
-    out: dict[str, dict[str, Any]] = {}
-    for name, opts in spec.items():
-        if not isinstance(name, str) or not name:
-            raise PolicyError(f"{where}: acceleration names must be non-empty strings, got {name!r}")
-        if opts is True:
-            out[name] = {}
-        elif opts is False or opts is None:
-            continue
-        elif isinstance(opts, Mapping):
-            out[name] = thaw(opts)
-        else:
-            raise PolicyError(
-                f"{where}.{name}: expected an options mapping or true, got {type(opts).__name__} ({opts!r})"
-            )
-    return out
+# The spec and its frozen options are normalised in one place (core/acceleration/spec.py); these names stay for
+# the policy's own use and for existing imports.
+_freeze = freeze_options
+thaw = thaw_options
 
 
 @dataclass(frozen=True)

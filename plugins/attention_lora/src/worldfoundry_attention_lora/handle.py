@@ -12,6 +12,7 @@ from torch import nn
 from worldfoundry.base_models.diffusion_model.optimizations.attention_lora_format import (
     AttentionLoraPlan,
 )
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.core.acceleration.lora import (
     LoraKernelStats,
     LoraProjection,
@@ -119,6 +120,24 @@ def _wrapper(path: str, projection: LoraProjection, ledger: ExecutionLedger,
     return make
 
 
+#: Why diffusers' projection fusion cannot run beside the adapter.
+FUSION_REASON = ("the fused to_qkv / to_kv projection bypasses the adapted to_q/to_k/to_v, which would silently "
+                 "drop the adapter")
+
+
+def _refuse_projection_fusion(recorder: PatchRecorder, model: nn.Module, adapted: Mapping[str, Any]) -> None:
+    """``model.fuse_qkv_projections()`` and each adapted attention's ``fuse_projections()`` refuse while active."""
+    install_call_refusals(recorder, model, {"fuse_qkv_projections": FUSION_REASON}, plugin=NAME)
+    attentions = sorted({path.rsplit(".", 1)[0] for path in adapted})
+    for path in attentions:
+        try:
+            attention = model.get_submodule(path)
+        except AttributeError:
+            continue
+        install_call_refusals(recorder, attention, {"fuse_projections": FUSION_REASON}, plugin=NAME,
+                              where=f"module {path!r}")
+
+
 def activate_attention_lora(model: nn.Module, plan: AttentionLoraPlan, scale: float, device: torch.device,
                             identity: Mapping[str, Any]) -> AttentionLoraHandle:
     """Copy the adapter to ``device`` and wrap every adapted projection's forward (recorded, reversible).
@@ -151,6 +170,7 @@ def activate_attention_lora(model: nn.Module, plan: AttentionLoraPlan, scale: fl
     with PatchRecorder(NAME) as recorder:
         for path, projection in ordered.items():
             recorder.wrap_forward(model.get_submodule(path), _wrapper(path, projection, ledger, stats), name=PATCH_NAME)
+        _refuse_projection_fusion(recorder, model, ordered)
         patches = recorder.pop_all()
     logger.info("attention_lora: %d projections adapted (rank %d, scale %s) on %s",
                 len(ordered), plan.rank, scale, device)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.attention_sites import (
@@ -20,6 +21,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     diffusers_attention_backend,
 )
 from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.core.attention.fused_projection import (
     ProjectionResult,
     SharedInputProjection,
@@ -163,6 +165,9 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
                 key = f"{plan.site.path}:{group.name}"
                 pack = PackedLinearParameters.pack(group.modules())
                 recorder.callback(pack.unpack, f"unpack {key}")
+                for member in group.modules():
+                    recorder.hook(member._register_state_dict_hook(_own_storage_in_state_dict),
+                                  f"{PLUGIN_NAME} state_dict copies {key}")
                 packs[key] = pack
                 if plan.projection_path == FUSED_BRANCH:
                     projection = PackedProjection(plan.site.module, group.members, pack)
@@ -175,6 +180,7 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
                 recorder.setattr(plan.site.module, "fused_projections", True)
             if plan.settings.explicit_backend:
                 recorder.wrap_forward(plan.site.module, _backend_forward(plan, ledger), name=f"{PLUGIN_NAME}.sdpa")
+        _refuse_diffusers_fusion(recorder, model, plans)
         if branches:
             validation = ForwardValidation([b.projection for b in branches.values()])
             recorder.hook(model.register_forward_pre_hook(validation.pre_hook), f"{PLUGIN_NAME} validation pre-hook")
@@ -183,6 +189,37 @@ def activate(model: nn.Module, plans: list[SitePlan]) -> OptimizedMHAHandle:
         patches = recorder.pop_all()
     logger.debug("%s active on %d attention module(s): %s", PLUGIN_NAME, len(plans), path_summary(plans))
     return OptimizedMHAHandle(patches, ledger, plans, packs, projections, branches)
+
+
+#: Why diffusers' own projection fusion calls cannot run while the plugin is active.
+FUSION_REASON = ("optimized_mha already packs these projections; diffusers' fusion would be a no-op, and "
+                 "unfusing would delete the packed projection under the plugin")
+
+
+def _refuse_diffusers_fusion(recorder: PatchRecorder, model: nn.Module, plans: list[SitePlan]) -> None:
+    """diffusers' ``fuse_qkv_projections`` / ``unfuse_qkv_projections`` (and per attention) refuse at the call."""
+    calls = {"fuse_qkv_projections": FUSION_REASON, "unfuse_qkv_projections": FUSION_REASON}
+    install_call_refusals(recorder, model, calls, plugin=PLUGIN_NAME)
+    for plan in plans:
+        install_call_refusals(recorder, plan.site.module, {"fuse_projections": FUSION_REASON,
+                                                           "unfuse_projections": FUSION_REASON},
+                              plugin=PLUGIN_NAME, where=f"module {plan.site.path!r}")
+
+
+def _own_storage_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                               local_metadata: Any) -> None:
+    """State-dict hook of a packed member: its detached weight/bias get storage of their own.
+
+    Packed Parameters view one shared storage; ``torch.save`` (``save_pretrained(safe_serialization=False)``)
+    keeps that sharing, so a file saved while installed would reload as views into a larger storage. Copies
+    make every serialisation write the canonical, separate tensors. ``keep_vars=True`` entries (the Parameters
+    themselves) are left as they are.
+    """
+    for name in ("weight", "bias"):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            state_dict[key] = value.clone(memory_format=torch.contiguous_format)
 
 
 def _wrap_group(recorder: PatchRecorder, group: ProjectionGroup, pack: PackedLinearParameters,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals, install_move_guard
 from worldfoundry.core.offload.block_offload import BlockOffloadEngine, ForwardOutcome
 from worldfoundry.core.offload.receipts import OffloadRequestReceipt
 from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle, current_request_id
@@ -154,6 +155,13 @@ def _block_wrapper(handle: ResidentBlocksHandle, index: int,
     return make
 
 
+#: diffusers features that change where or in which dtype block weights live (the plugin owns that while active).
+OFFLOAD_REFUSED_CALLS = {
+    "enable_layerwise_casting": "it recasts the block weights resident_blocks keeps on the host",
+    "enable_group_offload": "it offloads the blocks resident_blocks already streams",
+}
+
+
 def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]],
                              resident_indices: Sequence[int], *, contiguous: bool, device: Any) -> ResidentBlocksHandle:
     """Move every block's weights to host masters and wrap the forwards (recorded, reversible).
@@ -169,6 +177,9 @@ def activate_resident_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Mo
         engine.offload()
         for index, (path, block) in enumerate(blocks):
             recorder.wrap_forward(block, _block_wrapper(handle, index, path), name=PATCH_NAME)
+        # Moves would go around the host masters and leave uninstall nothing consistent to give back.
+        install_move_guard(recorder, model, dict(blocks), plugin=NAME)
+        install_call_refusals(recorder, model, OFFLOAD_REFUSED_CALLS, plugin=NAME)
         recorder.hook(model.register_forward_pre_hook(handle.on_forward_start), "resident_blocks forward start")
         recorder.hook(model.register_forward_hook(handle.on_forward_end, always_call=True),
                       "resident_blocks forward end")

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import worldfoundry
+from worldfoundry.base_models.diffusion_model.optimizations.refusals import refuse_accelerate_hooks
 from worldfoundry.plugin import (
     ROLE_FEATURE_CACHE,
     ROLE_OFFLOAD,
@@ -91,6 +92,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     """
     opts = Options.from_mapping(options)
     refuse_common(model, NAME)
+    refuse_accelerate_hooks(model, NAME)
     family = family_of(model, plugin=NAME)
     blocks = family.blocks(model)
     if not blocks:

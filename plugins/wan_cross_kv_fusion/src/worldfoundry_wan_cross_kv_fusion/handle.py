@@ -200,6 +200,19 @@ class WanCrossKVHandle(RecordedHandle):
             if fast is not None and fast.owner == _get_ident():
                 self._fast = None
 
+    def release_thread(self) -> None:
+        """Forget forwards this thread entered but never left (a ``KeyboardInterrupt`` skips the always-called
+        hook); otherwise every later forward would look concurrent and never use the static cache."""
+        depth = getattr(self._local, "depth", 0)
+        if depth <= 0:
+            return
+        self._local.depth = 0
+        with self._lock:
+            self._active -= depth
+            fast = self._fast
+            if fast is not None and fast.owner == _get_ident():
+                self._fast = None
+
     def _branch_state(self, ctx: RequestContext) -> BranchState:
         branch = ctx.branch or "none"
         key = (ctx.request_id, branch, ctx.expert)

@@ -23,6 +23,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     wan_conditioning_modules,
     wan_conditioning_positions,
 )
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_call_refusals
 from worldfoundry.core.attention.packed_storage import check_linears_packable
 from worldfoundry.plugin import (
     ROLE_OFFLOAD,
@@ -135,6 +136,15 @@ def activate(model: nn.Module, opts: Options, groups: list[ProjectionGroup],
         for i, group in enumerate(groups):
             norm_path, norm = norms.get(i, (None, None))
             handle.add_group(recorder, group, norm, norm_path)
+        fusion = "diffusers' fused to_kv projection would bypass the packed K/V and its static cache"
+        install_call_refusals(recorder, model, {"fuse_qkv_projections": fusion}, plugin=PLUGIN_NAME)
+        for site in {id(g.site.module): g.site for g in groups}.values():
+            install_call_refusals(recorder, site.module, {"fuse_projections": fusion}, plugin=PLUGIN_NAME,
+                                  where=f"module {site.path!r}")
+        if opts.pack:  # the packed copy has one dtype; per-layer casting would split its sources
+            install_call_refusals(recorder, model, {
+                "enable_layerwise_casting": "it recasts the K/V weights wan_cross_kv_fusion packs into one copy",
+            }, plugin=PLUGIN_NAME)
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d K/V group(s)", PLUGIN_NAME, len(groups))
     return handle

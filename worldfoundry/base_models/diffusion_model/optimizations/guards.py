@@ -189,4 +189,51 @@ def install_weight_view_guard(
     return guard
 
 
-__all__ = ["GUARDED_METHODS", "WeightViewGuard", "install_weight_view_guard"]
+def install_call_refusals(recorder: PatchRecorder, module: nn.Module, methods: Mapping[str, str], *, plugin: str,
+                          where: str = "the model") -> list[str]:
+    """Refuse calls of ``module``'s methods while ``plugin`` is active, each with the reason given.
+
+    For diffusers features that would break the plugin at the next forward (``enable_layerwise_casting`` under
+    packed or offloaded weights): the call itself fails, naming both sides, and nothing changes.
+
+    Args:
+        recorder: where the replacements are recorded (undone with the plugin's other patches).
+        module: the model (or submodule) whose methods are refused.
+        methods: ``{method name: why it cannot run beside the plugin}``; names the module lacks are skipped.
+        plugin: the plugin name used in messages.
+        where: how the messages name ``module``.
+
+    Returns:
+        The method names refused.
+    """
+    refused = []
+    for method, reason in methods.items():
+        original = getattr(module, method, None)
+        if not callable(original):
+            continue
+        action = f"{method}() ({reason})"
+        recorder.setattr(module, method, _make_refusing(original, plugin, action, where))
+        refused.append(method)
+    return refused
+
+
+def install_move_guard(recorder: PatchRecorder, model: nn.Module, modules: Mapping[str, nn.Module], *,
+                       plugin: str) -> None:
+    """Refuse dtype/device moves of ``model`` and of ``modules`` (and their ancestors) while ``plugin`` is active.
+
+    For plugins that keep weights in a place of their own (offload masters on the host): a move would go
+    around them, and uninstall afterwards could not give back a consistent model. The message says
+    "uninstall <plugin> first".
+
+    Raises:
+        KeyError: a path in ``modules`` is not a module of ``model``.
+    """
+    for path, module in _guarded_paths(model, modules).items():
+        where = "the model" if path == "" else f"module {path!r}"
+        for method in ("_apply", *MOVE_METHODS):
+            original = getattr(module, method)
+            recorder.setattr(module, method, _make_refusing(original, plugin, _ACTION[method], where))
+
+
+__all__ = ["GUARDED_METHODS", "WeightViewGuard", "install_call_refusals", "install_move_guard",
+           "install_weight_view_guard"]

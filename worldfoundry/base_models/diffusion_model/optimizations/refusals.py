@@ -71,6 +71,22 @@ def refuse_diffusers_hooks(model: nn.Module, plugin: str) -> None:
         )
 
 
+def accelerate_hooks(model: nn.Module) -> list[str]:
+    """Modules carrying an accelerate hook (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
+    ``device_map`` dispatch): ``module._hf_hook``."""
+    return [name or "<root>" for name, module in model.named_modules() if "_hf_hook" in module.__dict__]
+
+
+def refuse_accelerate_hooks(model: nn.Module, plugin: str) -> None:
+    """For plugins that own where weights live: accelerate's offload hooks would move them behind its back."""
+    found = accelerate_hooks(model)
+    if found:
+        raise AccelerationRefusedError(
+            plugin, f"accelerate offload hooks are attached ({', '.join(found[:4])}; enable_model_cpu_offload / "
+            "device_map); remove them first (pipe.remove_all_hooks(), or load without offloading)"
+        )
+
+
 def refuse_training(model: nn.Module, plugin: str) -> None:
     if model.training:
         raise AccelerationRefusedError(plugin, "the model is in training mode; call model.eval() first")

@@ -78,7 +78,7 @@ class _CudaCaptured:
 class CudaGraphBackend:
     """CUDA graphs with a private pool per capture and one side stream per device for warm-up and capture."""
 
-    name = "cuda_graph"
+    name = "cuda"  # the capture backend (receipts: "backend"); "eager_replay" re-runs the eager forward (CPU)
     reruns_python = False
     pins_host_memory = True
 

@@ -86,7 +86,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         activate=lambda: activate(targets, opts),
         options=opts.to_json(),
         exact=False,
-        notes=("explicit tanh-GELU formula in float32; rounding differs from PyTorch's fused GELU",),
+        notes=("explicit tanh-GELU formula in float32; rounding may differ from PyTorch's fused GELU",),
     )
 
 

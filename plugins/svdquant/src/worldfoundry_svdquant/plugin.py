@@ -1,0 +1,189 @@
+"""Entry point of the ``svdquant`` acceleration: artifact binding, prepare-time refusals and activation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+import worldfoundry
+from worldfoundry.base_models.diffusion_model.optimizations.guards import install_weight_view_guard
+from worldfoundry.base_models.diffusion_model.optimizations.linear_aliases import translate_patterns
+from worldfoundry.base_models.diffusion_model.optimizations.projection_selection import (
+    SelectedLinear,
+    refuse_shared_parameters,
+    select_linears,
+)
+from worldfoundry.core.acceleration.patching import PatchRecorder
+from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
+from worldfoundry.core.acceleration.quantization.svdquant_artifact import SVDQuantArtifact, load_svdquant_artifact
+from worldfoundry.core.acceleration.receipts import ExecutionLedger
+from worldfoundry.core.model_loading.policy import RuntimePolicy
+from worldfoundry.errors import AccelerationRefusedError, ArtifactMismatchError
+from worldfoundry.plugin import (
+    ROLE_APPROXIMATE_ATTENTION,
+    ROLE_FEATURE_CACHE,
+    ROLE_OFFLOAD,
+    ROLE_QUANTIZATION,
+    ROLE_STATIC_KV_CACHE,
+    ROLE_WEIGHT_VIEW,
+    PreparedAcceleration,
+    family_of,
+    refuse_common,
+    refuse_module_hooks,
+)
+from worldfoundry_svdquant.options import PLUGIN_NAME, Options
+from worldfoundry_svdquant.runtime import SVDQuantHandle, SVDQuantRuntime
+
+#: Roles this plugin cannot run beside.
+INCOMPATIBLE_ROLES = frozenset({ROLE_FEATURE_CACHE, ROLE_STATIC_KV_CACHE, ROLE_OFFLOAD, ROLE_APPROXIMATE_ATTENTION})
+
+
+def _family(model: nn.Module) -> str | None:
+    try:
+        return family_of(model, plugin=PLUGIN_NAME).name
+    except AccelerationRefusedError:
+        return None
+
+
+def select_from_artifact(model: nn.Module, artifact: SVDQuantArtifact,
+                         include: Sequence[str] | None) -> list[SelectedLinear]:
+    """The Linears to replace: the artifact's (all, or those ``include`` selects), checked against the model.
+
+    Raises:
+        AccelerationRefusedError: a path of the artifact is not a plain Linear of the model, ``include``
+            selects a Linear the artifact has no entry for, or the selection is empty.
+    """
+    names = dict(model.named_modules())
+    missing = [p for p in artifact.linears if not isinstance(names.get(p), nn.Linear)]
+    if missing:
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, f"{artifact.file} was calibrated for Linears this model does not have: {', '.join(missing[:4])}"
+            "; calibrate again for this model")
+    if include is None:
+        return select_linears(model, list(artifact.linears), plugin=PLUGIN_NAME)
+    patterns = translate_patterns(model, include, family=_family(model))
+    selected = select_linears(model, patterns, plugin=PLUGIN_NAME)
+    absent = [s.path for s in selected if s.path not in artifact.linears]
+    if absent:
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, f"include selects Linears {artifact.file} has no entry for: {', '.join(absent[:4])}; "
+            "narrow include or calibrate them (worldfoundry calibrate svdquant --include ...)")
+    return selected
+
+
+def verify_sources(artifact: SVDQuantArtifact, selected: Sequence[SelectedLinear]) -> None:
+    """Compare every selected Linear's shape and parameter SHA256 with the artifact (digests cached per
+    parameter version).
+
+    Raises:
+        ArtifactMismatchError: other shapes, bias presence or weights, naming the Linear and the parameter.
+    """
+    params, labels = [], []
+    for s in selected:
+        entry = artifact.linears[s.path]
+        if (entry.in_features, entry.out_features) != (s.module.in_features, s.module.out_features):
+            raise ArtifactMismatchError(
+                f"{artifact.file}: {s.path} is {s.module.in_features}->{s.module.out_features} in the model, "
+                f"{entry.in_features}->{entry.out_features} in the artifact; calibrate again for this model")
+        if (entry.source.get("bias") is None) != (s.module.bias is None):
+            raise ArtifactMismatchError(f"{artifact.file}: {s.path} bias presence differs from the artifact's")
+        for pname in ("weight", "bias"):
+            tensor = getattr(s.module, pname)
+            if tensor is not None:
+                params.append(tensor)
+                labels.append((s.path, pname, entry.source[pname]["sha256"]))
+    for (path, pname, recorded), digest in zip(labels, parameter_digests(params), strict=True):
+        if digest != recorded:
+            raise ArtifactMismatchError(
+                f"{artifact.file} was calibrated on {path}.{pname} SHA256 {recorded[:16]}..., the model has "
+                f"{digest[:16]}... (other weights or dtype); calibrate again for these weights "
+                "(worldfoundry calibrate svdquant)")
+
+
+def _refuse_gradient_checkpointing(model: nn.Module) -> None:
+    flagged = [name or "<root>" for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    if flagged:
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, f"gradient checkpointing is enabled on {', '.join(flagged[:4])}; disable it for inference")
+
+
+def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
+    m = artifact.manifest
+    return {"file": artifact.file, "format": m["format"], "method": m["method"], "rank": m["rank"],
+            "group_size": m["group_size"], "alpha": m.get("alpha"), "include": list(m.get("include", [])),
+            "calibration_seeds": list((m.get("calibration") or {}).get("seeds", []))}
+
+
+def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
+    """Validate options, read the artifact and bind it to the model (nothing is changed).
+
+    Args:
+        model: a diffusers DiT (or any module whose Linear paths the artifact names).
+        options: ``{"artifact", "include", "keep_original", "backend"}``.
+        policy: the runtime policy (unused: the plugin runs on the model's own device).
+
+    Returns:
+        A plan claiming every selected Linear, ``role:quantization`` and ``role:weight_view``.
+
+    Raises:
+        AccelerationOptionsError: unknown option or bad value.
+        ArtifactFormatError: the artifact is missing or malformed (names the file and field).
+        ArtifactMismatchError: the artifact was calibrated on other weights or shapes.
+        AccelerationRefusedError: Linears missing or not plain, shared parameters, hooks on a selected Linear,
+            gradient checkpointing, training mode, torch.compile, CUDA graphs, sequence parallelism, diffusers hooks.
+    """
+    opts = Options.from_mapping(options)
+    refuse_common(model, PLUGIN_NAME)
+    _refuse_gradient_checkpointing(model)
+    artifact = load_svdquant_artifact(opts.artifact)
+    selected = select_from_artifact(model, artifact, opts.include)
+    refuse_shared_parameters(model, selected, plugin=PLUGIN_NAME)
+    refuse_module_hooks([(s.path, s.module) for s in selected], PLUGIN_NAME)
+    verify_sources(artifact, selected)
+    summary = _artifact_summary(artifact)
+
+    def activate() -> SVDQuantHandle:
+        ledger = ExecutionLedger(PLUGIN_NAME)
+        runtime = SVDQuantRuntime(opts, ledger)
+        with PatchRecorder(PLUGIN_NAME) as rec:
+            for s in selected:
+                runtime.add(s.path, s.module, artifact.weight(s.path, s.module.weight.device))
+            if opts.keep_original == "cpu":
+                for s in selected:
+                    runtime.move_dense_to_host(rec, s.path)
+            runtime.guard = install_weight_view_guard(rec, model, {s.path: s.module for s in selected},
+                                                      plugin=PLUGIN_NAME)
+            for s in selected:
+                rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+            patches = rec.pop_all()
+        return SVDQuantHandle(patches, ledger, runtime, summary)
+
+    resolved = opts.to_json()
+    resolved["modules"] = len(selected)
+    return PreparedAcceleration(
+        name=PLUGIN_NAME,
+        claims=frozenset({s.path for s in selected} | {ROLE_QUANTIZATION, ROLE_WEIGHT_VIEW}),
+        activate=activate,
+        incompatible_with=INCOMPATIBLE_ROLES,
+        options=resolved,
+        exact=False,
+        notes=(
+            f"approximate: {artifact.manifest['method']} rank {artifact.manifest['rank']} low-rank (bfloat16) + INT4 "
+            f"residual (group {artifact.manifest['group_size']}) with per-token INT8 activations, from {artifact.file}",
+            "keep_original cpu: dense weights move to pinned host memory (device weight memory drops); device: "
+            "dense weights stay and the quantized tensors are added",
+            "runs W4A8 (Triton, INT8 tensor cores) on sm_90+, W4A16 on other CUDA GPUs and the torch reference of the "
+            "W4A8 numerics on the CPU; receipts name the backend of every call",
+        ),
+    )
+
+
+prepare.options_class = Options  # lets tools validate options without a model (worldfoundry bench)
+
+
+@worldfoundry.hookimpl
+def register_diffusion_accelerations(register: Callable[..., None]) -> None:
+    """Register ``svdquant``."""
+    register(PLUGIN_NAME, prepare, options=Options)

@@ -1,0 +1,22 @@
+"""The Python examples of docs/svdquant.md run (the first one; the second is a configuration fragment) and
+print what the page says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from worldfoundry.core.acceleration.registry import PLUGIN_ALLOWLIST_ENV
+
+ROOT = Path(__file__).resolve().parents[3]
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def test_python_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
+    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    assert len(blocks) == 2 and "RuntimePolicy(" in blocks[1]
+    exec(compile(blocks[0], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2] == "[('backend_reason: cpu device', 4), ('reference', 4)]"
+    assert lines[-1].endswith("relative L2") and float(lines[-1].split()[0]) < 0.05

@@ -1,0 +1,31 @@
+"""``svdquant`` options: defaults, typed errors naming the JSON path, no model needed."""
+
+from __future__ import annotations
+
+import pytest
+from worldfoundry_svdquant.options import Options
+from worldfoundry_svdquant.plugin import prepare
+
+from worldfoundry.errors import AccelerationOptionsError
+
+
+def test_defaults_and_json():
+    opts = Options.from_mapping({"artifact": "a.json"})
+    assert (opts.include, opts.keep_original, opts.backend) == (None, "device", "auto")
+    assert opts.to_json() == {"artifact": "a.json", "include": None, "keep_original": "device", "backend": "auto"}
+    assert prepare.options_class is Options
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({}, "artifact: required"),
+    ({"artifact": ""}, "artifact: expected a non-empty string"),
+    ({"artifact": "a", "keep_original": "host"}, r"keep_original: expected one of \['device', 'cpu'\]"),
+    ({"artifact": "a", "backend": "w4a4"}, "backend: expected one of"),
+    ({"artifact": "a", "include": "blocks.*"}, "include: expected a list"),
+    ({"artifact": "a", "include": []}, "include: expected a list of 1 to"),
+    ({"artifact": "a", "rank": 4}, r"unknown option\(s\) \['rank'\]"),
+])
+def test_bad_options_name_the_path(spec, match):
+    with pytest.raises(AccelerationOptionsError, match=match) as info:
+        Options.from_mapping(spec, path="accelerations.svdquant")
+    assert info.value.path.startswith("accelerations.svdquant")

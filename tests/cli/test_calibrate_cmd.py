@@ -1,0 +1,74 @@
+"""``worldfoundry calibrate svdquant`` writes a bound artifact the plugin accepts, with provenance and references;
+the shipped tiny-model artifacts bind to the shipped trained weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from worldfoundry.cli.main import main
+from worldfoundry.core.acceleration.quantization.svdquant_artifact import load_svdquant_artifact
+from worldfoundry.core.model_loading.recipes import project_root
+
+SHIPPED = ("svdquant-r32-g64.json", "rtn-g64.json")
+
+
+def test_calibrate_svdquant_on_the_tiny_recipe(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "a.json"
+    rc = main(["calibrate", "--json", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--frames", "5",
+               "--steps", "2", "--rank", "8", "--out", str(out), "--save-references", str(tmp_path / "refs")])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["artifact"] == str(out) and summary["linears"] == 4 and summary["rank"] == 8
+    art = load_svdquant_artifact(out)
+    cal = art.manifest["calibration"]
+    assert cal["seeds"] == [11, 12] and cal["frames"] == 5 and cal["random_weights"] is True
+    assert sorted(art.linears) == ["blocks.0.ffn.net.0.proj", "blocks.0.ffn.net.2", "blocks.1.ffn.net.0.proj",
+                                   "blocks.1.ffn.net.2"]
+    assert art.manifest["include"] == ["blocks.*.ffn.0", "blocks.*.ffn.2"]
+    ref = torch.load(tmp_path / "refs" / "calibration_11.pt", weights_only=True)
+    assert ref["seed"] == 11 and ref["video"].shape[0] == 5
+
+
+def test_calibrate_refuses_evaluation_seeds(tmp_path: Path, capsys) -> None:
+    rc = main(["calibrate", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--seeds", "42",
+               "--out", str(tmp_path / "a.json")])
+    assert rc == 1 and "evaluation seeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_artifacts_bind_to_the_trained_tiny_model(name: str) -> None:
+    from worldfoundry_svdquant.plugin import prepare
+
+    from worldfoundry.base_models.diffusion_model.pipeline import NativeDiffusionPipeline
+    from worldfoundry.core.model_loading.policy import RuntimePolicy
+
+    path = project_root() / "recipes" / "assets" / "tiny-wan2.1-trained" / "svdquant" / name
+    policy = RuntimePolicy(device="cpu", dtype=torch.float32)
+    with NativeDiffusionPipeline.from_pretrained("tiny-wan2.1-trained", policy=policy) as pipe:
+        plan = prepare(pipe.components.denoiser.model, {"artifact": str(path)}, policy)
+    assert len([c for c in plan.claims if not c.startswith("role:")]) == 12
+
+
+def test_calibrate_plugins_script_svdquant_writes_pt_and_summary(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    bench = project_root() / "benchmarks" / "inference"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("calibrate_plugins_svdquant_test", bench / "calibrate_plugins.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+        sys.modules.pop("calibrate_plugins_svdquant_test", None)
+    out = tmp_path / "svdquant.pt"
+    summary = module.main(["svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--include", "blocks.*.ffn.0",
+                           "blocks.*.ffn.2", "--rank", "8", "--frames", "5", "--steps", "1", "--out", str(out)])
+    assert summary["artifact"] == str(out) and (tmp_path / "svdquant.json").is_file()
+    assert load_svdquant_artifact(out).manifest["rank"] == 8

@@ -1,0 +1,97 @@
+"""Triton SVDQuant kernels against their torch references (CPU, ``TRITON_INTERPRET=1``, small shapes).
+
+Claims:
+
+* per-token INT8 activation quantization (with and without smoothing): codes and scales **bitwise** equal to
+  :func:`quantize_rows_int8` (the interpreter runs the same float32 operations; the kernel launches without
+  FMA contraction);
+* W4A8 GEMM (both tile orientations, rank 0 and padded rank, bias or not, group 64/128, row tails): float32
+  output within ``1e-5 * max|ref|`` of :func:`w4a8_linear_reference` (integer partial sums exact in both; only
+  the low-rank dot's summation order differs); bfloat16 output within one bfloat16 ulp of ``max|ref|``
+  (``2**-7 * max|ref|``);
+* W4A16 GEMM: within ``2**-5 * max|ref|`` of :func:`w4a16_linear_reference` here -- the interpreter's
+  float32 -> bfloat16 conversion of the dequantized operands does not round to nearest even; the GPU test
+  holds it to ``2**-7``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worldfoundry.core.acceleration.kernels.int8_act_quant import (
+    TRITON_AVAILABLE,
+    interpreter_enabled,
+    triton_quantize_rows_int8,
+)
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import lowrank_down, pad_rank, svdquant_linear
+from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
+    decompose,
+    w4a8_linear_reference,
+    w4a16_linear_reference,
+)
+
+pytestmark = pytest.mark.skipif(
+    not (TRITON_AVAILABLE and interpreter_enabled()), reason="needs triton with TRITON_INTERPRET=1")
+
+
+def _weight(n: int, k: int, rank: int, group: int, smooth: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    amax = (torch.rand(k, generator=g) * 4 + 0.1) if smooth else None
+    return pad_rank(decompose(w, rank=rank, group_size=group, act_absmax=amax))
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("shape", [(5, 64), (13, 200), (4, 1536)])
+def test_int8_activation_kernel_is_bitwise_the_reference(shape, smooth):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    x[1] = 0.0  # an all-zero row: codes 0, floor scale
+    inv = (torch.rand(shape[1], generator=g) + 0.5) if smooth else None
+    q_ref, s_ref = quantize_rows_int8(x, inv)
+    for single_pass in (False, True):
+        q, s = triton_quantize_rows_int8(x, inv, single_pass=single_pass)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert int(q.abs().max()) == 127
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("rank,bias,group,m", [(0, False, 64, 32), (8, True, 64, 40), (32, True, 128, 17)])
+def test_w4a8_gemm_matches_the_reference(swap, rank, bias, group, m):
+    n, k = 48, 256
+    weight = _weight(n, k, rank, group, smooth=rank > 0)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    q, s = quantize_rows_int8(x, weight.inv_smooth)
+    t = lowrank_down(x, weight)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2, "SWAP_AB": swap}
+    out = triton_w4a8_gemm(q, s, weight, t, b, out_dtype=torch.float32, config=cfg)
+    ref = w4a8_linear_reference(x, weight, b)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    out_bf16 = triton_w4a8_gemm(q, s, weight, t, b, out_dtype=torch.bfloat16, config=cfg)
+    assert (out_bf16.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+@pytest.mark.parametrize("rank,group", [(0, 64), (16, 128)])
+def test_w4a16_gemm_matches_the_reference(rank, group):
+    n, k, m = 64, 256, 24
+    weight = _weight(n, k, rank, group, smooth=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    out = triton_w4a16_gemm(x, weight, lowrank_down(x, weight), b)
+    ref = w4a16_linear_reference(x, weight, b)
+    assert (out.float() - ref.float()).abs().max() <= 2**-5 * ref.float().abs().max()
+
+
+def test_dispatch_runs_the_requested_kernel_under_the_interpreter_and_the_reference_on_auto():
+    weight = _weight(32, 128, 8, 64, smooth=True)
+    x = torch.randn(2, 9, 128)
+    y, used = svdquant_linear(x, weight, None, backend="w4a8")
+    assert used.backend == "w4a8" and used.reason is None and y.shape == (2, 9, 32)
+    y_auto, auto = svdquant_linear(x, weight, None)
+    assert auto.backend == "reference" and auto.reason == "cpu device"
+    assert (y - y_auto).abs().max() <= 1e-5 * y_auto.abs().max()

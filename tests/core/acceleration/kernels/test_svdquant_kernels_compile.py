@@ -1,0 +1,55 @@
+"""The SVDQuant Triton kernels compile ahead of time for Hopper (sm_90) without a GPU, and the W4A8 GEMM's
+integer dot products lower to ``wgmma`` with s8 operands (INT8 tensor cores) in both tile orientations.
+
+Skipped where triton has no NVIDIA backend (ptxas ships with triton's CUDA backend) and under
+``TRITON_INTERPRET=1`` (the kernels are then interpreted functions): run it as
+``python -m pytest -q tests/core/acceleration/kernels/test_svdquant_kernels_compile.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from worldfoundry.core.acceleration.kernels import int8_act_quant, w4a8_gemm  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    HAS_NVIDIA = "nvidia" in triton.backends.backends
+except ImportError:  # pragma: no cover - very old triton
+    HAS_NVIDIA = False
+
+pytestmark = [pytest.mark.skipif(not HAS_NVIDIA, reason="triton without the NVIDIA backend"),
+              pytest.mark.skipif(int8_act_quant.interpreter_enabled(), reason="kernels are interpreted (TRITON_INTERPRET=1)")]
+HOPPER = None if not HAS_NVIDIA else GPUTarget("cuda", 90, 32)
+W4A8_SIGNATURE = {
+    "xq_ptr": "*i8", "xs_ptr": "*fp32", "wq_ptr": "*i8", "ws_ptr": "*bf16", "t_ptr": "*bf16", "lu_ptr": "*bf16",
+    "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", **dict.fromkeys(
+        ["GROUP", "RANK", "HAS_LR", "HAS_BIAS", "SWAP_AB", "BLOCK_M", "BLOCK_N", "GROUP_M", "WIDEN"], "constexpr"),
+}
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_w4a8_gemm_lowers_to_int8_wgmma_on_sm90(swap):
+    consts = {"GROUP": 128, "RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128,
+              "BLOCK_N": 128, "GROUP_M": 8, "WIDEN": False}
+    kernel = triton.compile(ASTSource(fn=w4a8_gemm._w4a8_kernel, signature=W4A8_SIGNATURE, constexprs=consts),
+                            target=HOPPER, options={"num_warps": 8, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s8", ptx), "INT8 dot did not lower to wgmma"
+    assert not re.search(r"mma\.sync[^;]*\.s8", ptx)
+
+
+def test_int8_activation_kernel_compiles_single_pass_for_sm90():
+    sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "K": "i32",
+           "stride_xm": "i32", "HAS_SMOOTH": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+           "SINGLE_PASS": "constexpr"}
+    consts = {"HAS_SMOOTH": True, "BLOCK_M": 1, "BLOCK_K": 16384, "SINGLE_PASS": True}
+    kernel = triton.compile(ASTSource(fn=int8_act_quant._int8_rows_kernel, signature=sig, constexprs=consts),
+                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+    assert "fma.rn.f32" not in kernel.asm["ptx"]  # x * rcp is rounded before the rounding addition

@@ -1,0 +1,262 @@
+"""SVDQuant calibration of a DiT's Linears: activation statistics, decomposition, the bound artifact.
+
+Steps (``worldfoundry calibrate svdquant`` runs all of them):
+
+1. :func:`select_for_calibration` resolves ``include`` patterns (original Wan names such as
+   ``blocks.*.ffn.0`` are translated, see ``optimizations/linear_aliases.py``) to plain ``nn.Linear`` modules.
+2. :class:`InputAbsmaxObserver` records, per selected Linear, the absmax of every input channel over all
+   calls (forward pre-hooks, removed afterwards, also on errors).
+3. :func:`calibrate_pipeline` runs the calibration requests (its own prompts and seeds 11/12, never the
+   evaluation seeds 42/43) through the native pipeline under the observer, optionally saving each request's
+   latents and frames as references.
+4. :func:`build_svdquant_artifact` decomposes every Linear (smoothing, SVD, INT4 residual; ``method="rtn"``:
+   no smoothing, rank 0) and builds the manifest, with the SHA256 of every source parameter and the
+   calibration provenance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
+from worldfoundry.base_models.diffusion_model.optimizations.linear_aliases import translate_patterns
+from worldfoundry.base_models.diffusion_model.optimizations.projection_selection import (
+    SelectedLinear,
+    select_linears,
+)
+from worldfoundry.core.acceleration.patching import PatchRecorder
+from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
+from worldfoundry.core.acceleration.quantization.svdquant_artifact import ARTIFACT_FORMAT, METHODS
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import decompose, weight_rel_error
+from worldfoundry.errors import AccelerationRefusedError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_NAME: Final = "svdquant-calibration"
+#: Calibration prompts and seeds (evaluation uses other prompts and seeds 42/43).
+CALIBRATION_PROMPTS: Final = ("a blue circle bouncing", "a green bar moving up")
+CALIBRATION_SEEDS: Final = (11, 12)
+EVALUATION_SEEDS: Final = (42, 43)
+
+
+def select_for_calibration(model: nn.Module, include: Sequence[str]) -> list[SelectedLinear]:
+    """The plain ``nn.Linear`` modules ``include`` selects (original Wan names translated).
+
+    Raises:
+        InvalidRequestError: a pattern matches no Linear (the message lists the model's Linear names).
+    """
+    try:
+        family = family_of(model).name
+    except AccelerationRefusedError:
+        family = None
+    patterns = translate_patterns(model, include, family=family)
+    try:
+        return select_linears(model, patterns, plugin=CALIBRATION_NAME)
+    except AccelerationRefusedError as exc:
+        raise InvalidRequestError(f"--include: {exc.reason if hasattr(exc, 'reason') else exc}") from exc
+
+
+class InputAbsmaxObserver:
+    """Per-input-channel absmax of the inputs of some Linears, while the ``with`` block runs.
+
+    Attributes:
+        absmax: ``{path: float32 [K]}`` on each Linear's device.
+        calls / rows: per path, forward calls and input rows seen.
+    """
+
+    def __init__(self, selected: Sequence[SelectedLinear]) -> None:
+        self.selected = list(selected)
+        self.absmax: dict[str, torch.Tensor] = {}
+        self.calls: dict[str, int] = {s.path: 0 for s in self.selected}
+        self.rows: dict[str, int] = {s.path: 0 for s in self.selected}
+        self._recorder: PatchRecorder | None = None
+
+    def _hook(self, path: str):  # noqa: ANN202 - a torch forward pre-hook
+        def observe(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            with torch.inference_mode(False):
+                current = self.absmax.get(path)
+                self.absmax[path] = amax.clone() if current is None else torch.maximum(current, amax)
+            self.calls[path] += 1
+            self.rows[path] += x.numel() // x.shape[-1]
+
+        return observe
+
+    def __enter__(self) -> InputAbsmaxObserver:
+        rec = PatchRecorder(CALIBRATION_NAME)
+        for s in self.selected:
+            rec.hook(s.module.register_forward_pre_hook(self._hook(s.path)), f"observe {s.path}")
+        self._recorder = rec
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._recorder is not None:
+            self._recorder.undo()
+            self._recorder = None
+
+
+def _digest_record(tensor: torch.Tensor | None, digest: str | None) -> dict[str, Any] | None:
+    if tensor is None:
+        return None
+    return {"sha256": digest, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def build_svdquant_artifact(
+    model: nn.Module, selected: Sequence[SelectedLinear], absmax: Mapping[str, torch.Tensor] | None, *,
+    method: str = "svdquant", rank: int = 32, group_size: int = 64, alpha: float = 0.5, svd: str = "full",
+    include: Sequence[str] = (), calibration: Mapping[str, Any] | None = None,
+    observer: InputAbsmaxObserver | None = None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Decompose every selected Linear and build the manifest and tensors of the artifact.
+
+    Args:
+        model: the model the Linears belong to (class recorded).
+        selected: the Linears (from :func:`select_for_calibration`).
+        absmax: per path input-channel absmax (required for ``method="svdquant"``).
+        method: ``"svdquant"`` (smoothing + rank-``r`` + INT4 residual) or ``"rtn"`` (INT4 round to nearest).
+        rank, group_size, alpha, svd: decomposition settings (``rtn`` forces rank 0, no smoothing).
+        include: the calibration's patterns (recorded).
+        calibration: provenance recorded under ``calibration``.
+        observer: the observer whose call/row counts are recorded per Linear.
+
+    Returns:
+        ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
+
+    Raises:
+        InvalidRequestError: unknown method, missing or non-finite statistics, or a Linear that saw no input.
+    """
+    if method not in METHODS:
+        raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
+    if method == "rtn":
+        rank, absmax = 0, None
+    elif absmax is None:
+        raise InvalidRequestError("svdquant calibration needs activation statistics (run the calibration requests)")
+    params = []
+    for s in selected:
+        params += [s.module.weight] + ([s.module.bias] if s.module.bias is not None else [])
+    digests = iter(parameter_digests(params))
+    linears: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for s in selected:
+        stats = None
+        if absmax is not None:
+            stats = absmax.get(s.path)
+            if stats is None or not bool(torch.isfinite(stats).all()):
+                raise InvalidRequestError(f"{s.path}: calibration saw no finite input; check the requests/include")
+        w_digest = next(digests)
+        b_digest = next(digests) if s.module.bias is not None else None
+        with torch.no_grad():
+            q = decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
+                          act_absmax=stats, alpha=alpha, svd=svd)
+        for name, tensor in q.tensors().items():
+            tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
+        linears[s.path] = {
+            "in_features": s.module.in_features, "out_features": s.module.out_features, "rank": q.rank,
+            "smoothed": q.inv_smooth is not None,
+            "source": {"weight": _digest_record(s.module.weight, w_digest), "bias": _digest_record(s.module.bias, b_digest)},
+            "calibration": {"calls": observer.calls.get(s.path, 0) if observer else 0,
+                            "rows": observer.rows.get(s.path, 0) if observer else 0},
+            "diagnostics": {"weight_rel_l2": weight_rel_error(s.module.weight, q)},
+        }
+    import diffusers
+
+    manifest = {
+        "format": ARTIFACT_FORMAT, "method": method, "rank": int(rank), "group_size": int(group_size),
+        "alpha": float(alpha) if method == "svdquant" else None, "svd": svd if rank else None,
+        "weight_bits": 4, "activation_bits": 8, "lowrank_dtype": "bfloat16", "scale_dtype": "bfloat16",
+        "include": [str(p) for p in include] or [s.path for s in selected],
+        "model": {"class": type(model).__name__, "family": _family_name(model)},
+        "calibration": {**dict(calibration or {}), "created_at": datetime.now(timezone.utc).isoformat(),
+                        "torch": str(torch.__version__), "diffusers": str(diffusers.__version__)},
+        "linears": linears,
+    }
+    return manifest, tensors
+
+
+def _family_name(model: nn.Module) -> str | None:
+    try:
+        return family_of(model).name
+    except AccelerationRefusedError:
+        return None
+
+
+def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[str] = CALIBRATION_PROMPTS,
+                       seeds: Sequence[int] = CALIBRATION_SEEDS, frames: int | None = None,
+                       height: int | None = None, width: int | None = None, steps: int | None = None,
+                       guidance: float | None = None, references: str | Path | None = None,
+                       **decomposition: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Run the calibration requests through ``pipe`` (a ``NativeDiffusionPipeline`` without accelerations)
+    under an :class:`InputAbsmaxObserver` and build the artifact.
+
+    Args:
+        pipe: the pipeline; its denoiser model must have no acceleration session.
+        include: Linear patterns.
+        prompts: one prompt per seed (cycled).
+        seeds: calibration seeds (11, 12 by default).
+        frames, height, width, steps, guidance: request size (recipe defaults when ``None``).
+        references: directory receiving ``calibration_<seed>.pt`` (``{"latents", "video"}``) per request.
+        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd`` for
+            :func:`build_svdquant_artifact`.
+
+    Returns:
+        ``(manifest, tensors)``.
+
+    Raises:
+        InvalidRequestError: evaluation seeds used for calibration, no seeds, an accelerated model, or bad include.
+    """
+    from worldfoundry.base_models.diffusion_model.request import DiffusionRequest
+    from worldfoundry.core.acceleration.session import get_session
+
+    seeds = [int(s) for s in seeds]
+    if not seeds or not prompts:
+        raise InvalidRequestError("give at least one calibration seed and prompt")
+    overlap = sorted(set(seeds) & set(EVALUATION_SEEDS))
+    if overlap:
+        raise InvalidRequestError(f"seeds {overlap} are evaluation seeds; calibrate on other seeds (default 11 12)")
+    model = pipe.components.denoiser.model
+    if get_session(model) is not None:
+        raise InvalidRequestError("calibrate the dense model: uninstall its accelerations first")
+    selected = select_for_calibration(model, include)
+    sources = []
+    out_dir = Path(references) if references is not None else None
+    with InputAbsmaxObserver(selected) as observer:
+        for i, seed in enumerate(seeds):
+            prompt = prompts[i % len(prompts)]
+            request = DiffusionRequest(prompt=prompt, seed=seed, num_frames=frames, height=height, width=width,
+                                       num_inference_steps=steps, guidance_scale=guidance,
+                                       request_id=f"calibration-{seed}", output_type="np")
+            result = pipe.generate(request)
+            entry = {"prompt": prompt, "seed": seed, "latent_shape": list(result.latents.shape)}
+            if out_dir is not None:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                ref = out_dir / f"calibration_{seed}.pt"
+                video = torch.from_numpy(result.frames.copy()) if result.frames is not None else None
+                torch.save({"latents": result.latents.detach().cpu(), "video": video, "prompt": prompt, "seed": seed}, ref)
+                entry["reference"] = str(ref)
+            sources.append(entry)
+    recipe = getattr(getattr(pipe, "recipe", None), "name", None)
+    provenance = {"recipe": recipe, "requests": sources, "seeds": seeds, "frames": frames, "height": height,
+                  "width": width, "steps": steps, "guidance": guidance,
+                  "device": str(next(model.parameters()).device),
+                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    return build_svdquant_artifact(model, selected, observer.absmax, include=include, calibration=provenance,
+                                   observer=observer, **decomposition)
+
+
+__all__ = [
+    "CALIBRATION_PROMPTS",
+    "CALIBRATION_SEEDS",
+    "EVALUATION_SEEDS",
+    "InputAbsmaxObserver",
+    "build_svdquant_artifact",
+    "calibrate_pipeline",
+    "select_for_calibration",
+]

@@ -1,0 +1,121 @@
+"""``worldfoundry calibrate``: write calibration artifacts bound to a model's weights.
+
+Subcommands:
+
+* ``svdquant`` — run the calibration requests (own prompts, seeds 11/12) through a recipe's pipeline, record
+  the input statistics of the selected Linears and write the ``worldfoundry-svdquant-v1`` artifact
+  (``--out NAME.json`` + ``NAME.safetensors``, or ``--out NAME.pt``).
+
+Example::
+
+    worldfoundry calibrate svdquant --recipe tiny-wan2.1-trained --include 'blocks.*.ffn.0' 'blocks.*.ffn.2' \\
+        --rank 32 --frames 17 --out svdquant.json --save-references refs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from worldfoundry.errors import WorldFoundryError
+
+DEFAULT_RECIPE = "tiny-wan2.1-trained"
+DEFAULT_INCLUDE = ("blocks.*.ffn.0", "blocks.*.ffn.2")
+
+
+def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``svdquant`` calibration options (shared with ``benchmarks/inference/calibrate_plugins.py``)."""
+    p.add_argument("--recipe", "--model", dest="recipe", default=DEFAULT_RECIPE, help="recipe name or YAML path")
+    p.add_argument("--assets", "--checkpoint-dir", dest="checkpoint_dir", default=None,
+                   help="local diffusers-format checkpoint directory")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights (speed/plumbing only)")
+    p.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
+                   help="Linear patterns (original Wan names blocks.*.ffn.0 / ffn.2 accepted)")
+    p.add_argument("--method", choices=["svdquant", "rtn"], default="svdquant",
+                   help="svdquant (smoothing + low-rank + INT4 residual) or rtn (plain INT4 round to nearest)")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--group-size", type=int, choices=[64, 128], default=64)
+    p.add_argument("--alpha", type=float, default=0.5, help="smoothing migration strength in [0, 1]")
+    p.add_argument("--svd", choices=["full", "randomized"], default="full")
+    p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
+    p.add_argument("--frames", type=int, default=17)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (recipe/policy default when omitted)")
+    p.add_argument("--save-references", default=None, metavar="DIR",
+                   help="write calibration_<seed>.pt (latents and frames) per request")
+    p.add_argument("--out", required=True, help="artifact path: NAME.json (+ NAME.safetensors) or NAME.pt")
+
+
+def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
+    """Calibrate and write the artifact; returns a JSON summary.
+
+    Raises:
+        WorldFoundryError: bad recipe, include, seeds or decomposition settings.
+    """
+    from worldfoundry.base_models.diffusion_model.pipeline import NativeDiffusionPipeline
+    from worldfoundry.base_models.diffusion_model.svdquant_calibration import (
+        CALIBRATION_PROMPTS,
+        calibrate_pipeline,
+    )
+    from worldfoundry.core.acceleration.quantization.svdquant_artifact import save_svdquant_artifact
+    from worldfoundry.core.model_loading.policy import RuntimePolicy
+
+    policy_kwargs: dict[str, Any] = {"device": args.device}
+    if args.dtype is not None:
+        policy_kwargs["dtype"] = args.dtype
+    policy = RuntimePolicy(**policy_kwargs)
+    with NativeDiffusionPipeline.from_pretrained(args.recipe, policy=policy, checkpoint_dir=args.checkpoint_dir,
+                                                 random_weights=args.random_weights) as pipe:
+        manifest, tensors = calibrate_pipeline(
+            pipe, include=args.include, prompts=args.prompts or CALIBRATION_PROMPTS, seeds=args.seeds,
+            frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
+            references=args.save_references, method=args.method, rank=args.rank, group_size=args.group_size,
+            alpha=args.alpha, svd=args.svd)
+    manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
+    manifest["calibration"]["random_weights"] = bool(args.random_weights)
+    out = save_svdquant_artifact(manifest, tensors, args.out)
+    errors = {p: e["diagnostics"]["weight_rel_l2"] for p, e in manifest["linears"].items()}
+    return {"artifact": str(out), "method": manifest["method"], "rank": manifest["rank"],
+            "group_size": manifest["group_size"], "linears": len(errors),
+            "weight_rel_l2_max": max(errors.values()), "weight_rel_l2": errors,
+            "references": args.save_references}
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.calibration is None:
+        print("worldfoundry calibrate: name a calibration (svdquant)", file=sys.stderr)
+        return 2
+    try:
+        summary = run_svdquant(args)
+    except WorldFoundryError as exc:
+        print(f"worldfoundry calibrate {args.calibration}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"artifact: {summary['artifact']}  ({summary['method']}, rank {summary['rank']}, group "
+              f"{summary['group_size']}, {summary['linears']} Linears, max weight rel L2 "
+              f"{summary['weight_rel_l2_max']:.4f})")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``calibrate`` with its ``svdquant`` subcommand."""
+    parser = subparsers.add_parser("calibrate", help="write calibration artifacts (svdquant)",
+                                   description="Write calibration artifacts bound to a model's weights.")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sub = parser.add_subparsers(dest="calibration", metavar="CALIBRATION")
+    svd = sub.add_parser("svdquant", help="SVDQuant low-rank + INT4 residual artifact",
+                         description="Calibrate SVDQuant Linears of a recipe (seeds 11/12; evaluation uses 42/43).")
+    add_svdquant_arguments(svd)
+    parser.set_defaults(func=_run, calibration=None)
+
+
+__all__ = ["DEFAULT_INCLUDE", "DEFAULT_RECIPE", "add_parser", "add_svdquant_arguments", "run_svdquant"]

@@ -1,0 +1,159 @@
+"""Backend choice for the SVDQuant Linear: W4A8 (Triton, INT8 tensor cores) on Hopper, W4A16 (Triton) on other
+CUDA GPUs, the torch reference of the W4A8 numerics elsewhere -- always saying why a backend was not used.
+
+Example:
+    >>> import torch
+    >>> from worldfoundry.core.acceleration.quantization.svdquant_numerics import decompose
+    >>> w = pad_rank(decompose(torch.randn(32, 64), rank=4, group_size=64))
+    >>> y, used = svdquant_linear(torch.randn(3, 64), w, None)
+    >>> used.backend, used.reason, tuple(y.shape)
+    ('reference', 'cpu device', (3, 32))
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Final
+
+import torch
+import torch.nn.functional as F
+
+from worldfoundry.core.acceleration.kernels.int8_act_quant import (
+    TRITON_AVAILABLE,
+    interpreter_enabled,
+    triton_quantize_rows_int8,
+)
+from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
+    LOWRANK_DTYPE,
+    SVDQuantWeight,
+    w4a8_linear_reference,
+    w4a16_linear_reference,
+)
+from worldfoundry.errors import QuantizationInputError
+
+BACKENDS: Final = ("auto", "w4a8", "w4a16", "reference")
+#: Smallest capability ``auto`` runs W4A8 on (Hopper); INT8 tensor cores exist from sm_75/sm_80.
+W4A8_AUTO_CAPABILITY: Final = (9, 0)
+W4A8_MIN_CAPABILITY: Final = (8, 0)
+REASON_TRITON_MISSING: Final = "triton not importable"
+REASON_NOT_HOPPER: Final = "gpu below sm_90: W4A16"
+REASON_NO_INT8_TC: Final = "gpu below sm_80 lacks int8 tensor cores: W4A16"
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What ran: ``backend`` in ``("w4a8", "w4a16", "reference")``, and why it is not the requested one."""
+
+    backend: str
+    reason: str | None = None
+
+
+def pad_rank(weight: SVDQuantWeight) -> SVDQuantWeight:
+    """Pad the low-rank pair with zeros to a power-of-two rank >= 16 (the kernels' dot shape); exact."""
+    if weight.lora_down is None or weight.lora_up is None:
+        return weight
+    rank = weight.rank
+    target = max(16, 1 << (rank - 1).bit_length())
+    if target == rank:
+        return weight
+    down = torch.zeros((target, weight.in_features), dtype=weight.lora_down.dtype, device=weight.device)
+    up = torch.zeros((weight.out_features, target), dtype=weight.lora_up.dtype, device=weight.device)
+    down[:rank] = weight.lora_down
+    up[:, :rank] = weight.lora_up
+    return replace(weight, lora_down=down, lora_up=up)
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def choose_backend(device: torch.device, requested: str = "auto") -> BackendChoice:
+    """The backend that runs on ``device`` for ``requested``.
+
+    ``auto``: W4A8 on sm_90+, W4A16 on other CUDA GPUs, the reference on the CPU. An explicit ``w4a8`` or
+    ``w4a16`` on the CPU runs the Triton kernel only under ``TRITON_INTERPRET=1`` (tests), otherwise the
+    reference.
+
+    Raises:
+        QuantizationInputError: unknown backend.
+    """
+    if requested not in BACKENDS:
+        raise QuantizationInputError(f"unknown svdquant backend {requested!r}; use one of {', '.join(BACKENDS)}")
+    if requested == "reference":
+        return BackendChoice("reference")
+    if not TRITON_AVAILABLE:
+        return BackendChoice("reference", REASON_TRITON_MISSING)
+    if device.type != "cuda":
+        if requested != "auto" and interpreter_enabled():
+            return BackendChoice(requested)
+        return BackendChoice("reference", f"{device.type} device")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capability(index)
+    if requested == "w4a16":
+        return BackendChoice("w4a16")
+    if requested == "w4a8":
+        return BackendChoice("w4a8") if cap >= W4A8_MIN_CAPABILITY else BackendChoice("w4a16", REASON_NO_INT8_TC)
+    return BackendChoice("w4a8") if cap >= W4A8_AUTO_CAPABILITY else BackendChoice("w4a16", REASON_NOT_HOPPER)
+
+
+def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | None:
+    """``t = bf16(x) @ D.T`` (bfloat16 ``[M, r]``, one bfloat16 GEMM), or ``None`` for rank 0."""
+    if weight.lora_down is None:
+        return None
+    return F.linear(x2d.to(LOWRANK_DTYPE), weight.lora_down)
+
+
+def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
+                    backend: str = "auto") -> tuple[torch.Tensor, BackendChoice]:
+    """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
+
+    Args:
+        x: float activations on ``weight``'s device.
+        weight: rank-padded decomposed weight (:func:`pad_rank`).
+        bias: optional ``[N]``.
+        backend: ``auto``, ``w4a8``, ``w4a16`` or ``reference``.
+
+    Returns:
+        ``(output in x.dtype, BackendChoice that ran)``.
+
+    Raises:
+        QuantizationInputError: unknown backend, mismatched features or devices.
+    """
+    if x.shape[-1] != weight.in_features:
+        raise QuantizationInputError(
+            f"svdquant linear: input has {x.shape[-1]} features, the weight expects {weight.in_features}")
+    if x.device != weight.device:
+        raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
+    choice = choose_backend(x.device, backend)
+    if choice.backend == "reference":
+        return w4a8_linear_reference(x, weight, bias), choice
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, weight.in_features)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    t = lowrank_down(x2d, weight)
+    if choice.backend == "w4a8":
+        q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
+        out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=x.dtype)
+    else:
+        out = triton_w4a16_gemm(x2d, weight, t, bias, out_dtype=x.dtype)
+    return out.reshape(*lead, weight.out_features), choice
+
+
+def reference_for(backend: str):  # noqa: ANN201 - returns one of two reference functions
+    """The torch reference of a backend's numerics (``w4a16`` has its own; everything else is W4A8's)."""
+    return w4a16_linear_reference if backend == "w4a16" else w4a8_linear_reference
+
+
+__all__ = [
+    "BACKENDS",
+    "BackendChoice",
+    "choose_backend",
+    "lowrank_down",
+    "pad_rank",
+    "reference_for",
+    "svdquant_linear",
+]

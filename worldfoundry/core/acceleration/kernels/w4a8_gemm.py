@@ -1,0 +1,287 @@
+"""SVDQuant GEMMs (Triton): W4A8 on INT8 tensor cores (Hopper) and W4A16 for other GPUs, low-rank branch fused.
+
+**W4A8** (:func:`triton_w4a8_gemm`): ``out = s_x * Σ_g s_w[g] * (q_x[g] · q_R[g]) + t @ U.T + b``.
+
+* ``q_x`` int8 ``[M, K]`` and ``s_x`` float32 ``[M, 1]`` come from the per-token quantizer
+  (:mod:`.int8_act_quant`); ``q_R`` is the packed INT4 residual (``int8 [N, K/2]``, layout in
+  :mod:`worldfoundry.core.acceleration.quantization.int4_packing`), unpacked in registers with two shifts
+  (``lo = (b << 4) >> 4``, ``hi = b >> 4``) to int8;
+* one K step is one scale group ``G`` (64 or 128): two ``tl.dot`` int8 x int8 -> int32 (the two half-groups
+  of the packing), then ``acc += float32(part) * s_w[g]`` in float32. Group scales along K forbid one int32
+  accumulation over the whole K; accumulating each group exactly and scaling in float32 keeps the group scales
+  (better INT4 accuracy) at the cost of one convert + FMA per accumulator element and group;
+* epilogue: ``acc * s_x``, the low-rank up projection ``tl.dot(t, U.T)`` on the same tile (``t = x @ D.T``,
+  ``[M, r]`` bfloat16, computed beforehand by one small bfloat16 GEMM), bias, cast to the output dtype.
+
+``SWAP_AB`` computes the transposed tile (weights as the left operand, which Hopper's ``wgmma`` may take from
+registers); the autotuner picks either per shape.
+
+**W4A16** (:func:`triton_w4a16_gemm`): ``bf16(x / λ)`` times the residual dequantized in registers
+(``bf16(code * s_w)``), bfloat16 tensor cores with float32 accumulation, same epilogue.
+
+The torch references are :func:`~worldfoundry.core.acceleration.quantization.svdquant_numerics.w4a8_linear_reference`
+and ``w4a16_linear_reference``. Under the Triton interpreter (CPU tests) bfloat16 dot operands are widened to
+float32 first (``WIDEN``; exact), because the interpreter multiplies bfloat16 wrongly. Integer partial sums are exact in both, so outputs differ only by float32
+summation order of the low-rank dot and the final rounding (tests state the tolerance).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+
+from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
+from worldfoundry.errors import QuantizationInputError
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+#: Tile used under the Triton interpreter (CPU tests).
+INTERPRETER_CONFIG: Final = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
+    def _widen(v, WIDEN: tl.constexpr):
+        """bfloat16 -> float32 under the interpreter, whose bfloat16 dot is wrong (exact: bf16 is a subset of f32)."""
+        if WIDEN:
+            return v.to(tl.float32)
+        return v
+
+    @triton.jit
+    def _low_nibble(p):
+        """Signed low nibble of int8 ``p`` as int8 (explicit casts: shifts may promote to int32)."""
+        return ((p << 4).to(tl.int8) >> 4).to(tl.int8)
+
+    @triton.jit
+    def _high_nibble(p):
+        """Signed high nibble of int8 ``p`` as int8 (arithmetic shift)."""
+        return (p >> 4).to(tl.int8)
+
+    @triton.jit
+    def _w4a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K,
+                     GROUP: tl.constexpr, RANK: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                     WIDEN: tl.constexpr):
+        offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        HALF: tl.constexpr = GROUP // 2
+        kh = tl.arange(0, HALF)
+        x_rows = offs_m.to(tl.int64) * K
+        w_rows = offs_n.to(tl.int64) * (K // 2)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, K // GROUP):
+            k0 = g * GROUP
+            s = tl.load(ws_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                p = tl.load(wq_ptr + w_rows[:, None] + (g * HALF + kh)[None, :], mask=nmask[:, None], other=0)
+                xa = tl.load(xq_ptr + x_rows[None, :] + (k0 + kh)[:, None], mask=mmask[None, :], other=0)
+                xb = tl.load(xq_ptr + x_rows[None, :] + (k0 + HALF + kh)[:, None], mask=mmask[None, :], other=0)
+                part = tl.dot(_low_nibble(p), xa, out_dtype=tl.int32)
+                part = tl.dot(_high_nibble(p), xb, part, out_dtype=tl.int32)
+                acc += part.to(tl.float32) * s[:, None]
+            else:
+                p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
+                xa = tl.load(xq_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0)
+                xb = tl.load(xq_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None], other=0)
+                part = tl.dot(xa, _low_nibble(p), out_dtype=tl.int32)
+                part = tl.dot(xb, _high_nibble(p), part, out_dtype=tl.int32)
+                acc += part.to(tl.float32) * s[None, :]
+        xs = tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)
+        r = tl.arange(0, RANK)
+        if SWAP_AB:
+            acc = acc * xs[None, :]
+            if HAS_LR:
+                lu = tl.load(lu_ptr + offs_n.to(tl.int64)[:, None] * RANK + r[None, :], mask=nmask[:, None], other=0.0)
+                tt = tl.load(t_ptr + offs_m.to(tl.int64)[None, :] * RANK + r[:, None], mask=mmask[None, :], other=0.0)
+                acc = tl.dot(_widen(lu, WIDEN), _widen(tt, WIDEN), acc)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+        else:
+            acc = acc * xs[:, None]
+            if HAS_LR:
+                tt = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * RANK + r[None, :], mask=mmask[:, None], other=0.0)
+                lu = tl.load(lu_ptr + offs_n.to(tl.int64)[None, :] * RANK + r[:, None], mask=nmask[None, :], other=0.0)
+                acc = tl.dot(_widen(tt, WIDEN), _widen(lu, WIDEN), acc)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, inv_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                      GROUP: tl.constexpr, RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_LR: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                      WIDEN: tl.constexpr):
+        offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        HALF: tl.constexpr = GROUP // 2
+        kh = tl.arange(0, HALF)
+        x_rows = offs_m.to(tl.int64) * stride_xm
+        w_rows = offs_n.to(tl.int64) * (K // 2)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, K // GROUP):
+            k0 = g * GROUP
+            s = tl.load(ws_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
+            xa = tl.load(x_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None],
+                         other=0.0).to(tl.float32)
+            if HAS_SMOOTH:
+                xa = xa * tl.load(inv_ptr + k0 + kh)[None, :]
+                xb = xb * tl.load(inv_ptr + k0 + HALF + kh)[None, :]
+            lo = (_low_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            hi = (_high_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            acc = tl.dot(_widen(xa.to(tl.bfloat16), WIDEN), _widen(lo, WIDEN), acc)
+            acc = tl.dot(_widen(xb.to(tl.bfloat16), WIDEN), _widen(hi, WIDEN), acc)
+        r = tl.arange(0, RANK)
+        if HAS_LR:
+            tt = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * RANK + r[None, :], mask=mmask[:, None], other=0.0)
+            lu = tl.load(lu_ptr + offs_n.to(tl.int64)[None, :] * RANK + r[:, None], mask=nmask[None, :], other=0.0)
+            acc = tl.dot(_widen(tt, WIDEN), _widen(lu, WIDEN), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    def _config(block_m: int, block_n: int, warps: int, stages: int, swap: bool | None = None) -> Any:
+        meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP_M": 8}
+        if swap is not None:
+            meta["SWAP_AB"] = swap
+        return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+    #: Autotuned on CUDA per (M, N, K, group, low-rank) -- both tile orientations.
+    W4A8_CONFIGS: Final = [
+        _config(128, 128, 8, 4, False), _config(128, 256, 8, 3, False), _config(256, 128, 8, 3, False),
+        _config(128, 128, 4, 4, False), _config(128, 128, 8, 4, True), _config(256, 128, 8, 3, True),
+        _config(128, 256, 8, 3, True), _config(64, 128, 4, 4, True),
+    ]
+    W4A16_CONFIGS: Final = [
+        _config(128, 128, 8, 4), _config(128, 256, 8, 3), _config(256, 128, 8, 3), _config(64, 128, 4, 4),
+    ]
+    _w4a8_tuned = triton.autotune(configs=W4A8_CONFIGS, key=["M", "N", "K", "GROUP", "HAS_LR", "HAS_BIAS"])(
+        _w4a8_kernel)
+    _w4a16_tuned = triton.autotune(configs=W4A16_CONFIGS, key=["M", "N", "K", "GROUP", "HAS_LR", "HAS_BIAS",
+                                                                 "HAS_SMOOTH"])(_w4a16_kernel)
+
+
+def _check_operands(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> tuple[int, bool]:
+    if weight.group_size not in (64, 128):
+        raise QuantizationInputError(f"svdquant GEMM: group_size {weight.group_size} is not 64 or 128")
+    has_lr = weight.lora_up is not None
+    if has_lr:
+        rank = weight.lora_up.shape[1]
+        if rank < 16 or rank & (rank - 1):
+            raise QuantizationInputError(f"svdquant GEMM: rank {rank} must be a power of two >= 16 (use pad_rank)")
+        if t is None or t.shape != (m, rank) or t.dtype != torch.bfloat16:
+            raise QuantizationInputError(f"svdquant GEMM: low-rank input t must be bfloat16 [{m}, {rank}]")
+        return rank, True
+    return 16, False
+
+
+def _grid(m: int, n: int) -> Any:
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
+                     bias: torch.Tensor | None, *, out_dtype: torch.dtype = torch.bfloat16,
+                     config: dict[str, Any] | None = None) -> torch.Tensor:
+    """The W4A8 GEMM with fused low-rank up projection and bias.
+
+    Args:
+        q: int8 ``[M, K]`` contiguous activation codes; ``scale``: float32 ``[M, 1]``.
+        weight: on the same device, rank padded (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.pad_rank`).
+        t: bfloat16 ``[M, r]`` = ``x @ D.T`` or ``None`` for rank 0.
+        bias: optional ``[N]``.
+        out_dtype: output dtype.
+        config: fixed tile (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SWAP_AB``, optional ``num_warps``);
+            ``None`` autotunes on CUDA and uses :data:`INTERPRETER_CONFIG` under the interpreter.
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``.
+
+    Raises:
+        QuantizationInputError: triton missing or operands of the wrong shape/dtype.
+    """
+    if not TRITON_AVAILABLE:
+        raise QuantizationInputError("triton is not importable; use the torch reference")
+    m, k = q.shape
+    n = weight.out_features
+    if q.dtype != torch.int8 or k != weight.in_features or not q.is_contiguous():
+        raise QuantizationInputError(f"triton_w4a8_gemm: q must be contiguous int8 [M, {weight.in_features}]")
+    rank, has_lr = _check_operands(weight, t, m)
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m == 0:
+        return out
+    args = (q, scale, weight.qweight, weight.scales, t if has_lr else scale, weight.lora_up if has_lr else scale,
+            bias if bias is not None else scale, out, m, n, k)
+    flags = dict(GROUP=weight.group_size, RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None,
+                 WIDEN=q.device.type != "cuda")
+    if config is None and not interpreter_enabled():
+        _w4a8_tuned[_grid(m, n)](*args, **flags)
+        return out
+    cfg = dict(INTERPRETER_CONFIG, SWAP_AB=False) if config is None else dict(config)
+    warps = cfg.pop("num_warps", 4)
+    _w4a8_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps)
+    return out
+
+
+def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None, bias: torch.Tensor | None,
+                      *, out_dtype: torch.dtype = torch.bfloat16, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """The W4A16 GEMM: ``bf16(x / λ) @ bf16(deq(R)).T`` + low-rank up projection + bias.
+
+    Args:
+        x2d: float ``[M, K]`` activations with unit stride along K.
+        weight, t, bias, out_dtype, config: as for :func:`triton_w4a8_gemm`.
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``.
+    """
+    if not TRITON_AVAILABLE:
+        raise QuantizationInputError("triton is not importable; use the torch reference")
+    m, k = x2d.shape
+    n = weight.out_features
+    if k != weight.in_features or x2d.stride(-1) != 1:
+        raise QuantizationInputError(f"triton_w4a16_gemm: x must be [M, {weight.in_features}] with unit K stride")
+    rank, has_lr = _check_operands(weight, t, m)
+    out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
+    if m == 0:
+        return out
+    inv = weight.inv_smooth
+    args = (x2d, inv if inv is not None else out, weight.qweight, weight.scales, t if has_lr else out,
+            weight.lora_up if has_lr else out, bias if bias is not None else out, out, m, n, k, x2d.stride(0))
+    flags = dict(GROUP=weight.group_size, RANK=rank, HAS_SMOOTH=inv is not None, HAS_LR=has_lr,
+                 HAS_BIAS=bias is not None, WIDEN=x2d.device.type != "cuda")
+    if config is None and not interpreter_enabled():
+        _w4a16_tuned[_grid(m, n)](*args, **flags)
+        return out
+    cfg = dict(INTERPRETER_CONFIG) if config is None else dict(config)
+    cfg.pop("SWAP_AB", None)
+    warps = cfg.pop("num_warps", 4)
+    _w4a16_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps)
+    return out
+
+
+__all__ = ["INTERPRETER_CONFIG", "triton_w4a16_gemm", "triton_w4a8_gemm"]

@@ -1,0 +1,75 @@
+"""Per-token dynamic INT8 activation quantization with an optional per-input-channel smoothing factor.
+
+For rows ``x[m, :]`` (tokens) and a smoothing vector ``inv_smooth[k] = 1 / λ[k]``:
+
+.. code-block:: text
+
+    x̂[m, k]  = float32(x[m, k]) * inv_smooth[k]               (one rounded product)
+    a[m]     = max(max_k |x̂[m, k]|, 1e-12)
+    scale[m] = a[m] / 127                                      (IEEE division, stored float32)
+    q[m, k]  = clamp(round_half_even(x̂[m, k] * (127 / a[m])), -127, 127)
+
+This is the torch reference; the Triton kernel
+(:mod:`worldfoundry.core.acceleration.kernels.int8_act_quant`) computes the same operations in the same
+order and gives the same bytes and scales for every finite input.
+
+Example:
+    >>> import torch
+    >>> q, scale = quantize_rows_int8(torch.tensor([[1.0, -2.0, 0.5]]))
+    >>> q.tolist(), round(float(scale), 6)
+    ([[64, -127, 32]], 0.015748)
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+
+from worldfoundry.errors import QuantizationInputError
+
+#: Largest INT8 code used (symmetric range).
+INT8_MAX: Final = 127.0
+#: Smallest row maximum used to form a scale (all-zero rows get codes 0 and a tiny positive scale).
+INT8_AMAX_FLOOR: Final = 1e-12
+
+
+def smoothed_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> torch.Tensor:
+    """``float32(x) * inv_smooth`` as ``[M, K]`` float32 (``x`` is flattened to rows)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    return rows if inv_smooth is None else rows * inv_smooth.float()
+
+
+def quantize_rows_int8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference per-token INT8 quantization (see the module docstring).
+
+    Args:
+        x: float tensor ``[..., K]``.
+        inv_smooth: optional float32 ``[K]`` multiplied into every row before quantization.
+
+    Returns:
+        ``(q int8 [M, K], scale float32 [M, 1])`` with ``M`` = number of rows.
+
+    Raises:
+        QuantizationInputError: not a float tensor, or ``inv_smooth`` has the wrong length.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise QuantizationInputError(f"quantize_rows_int8: expected a float tensor, got {type(x).__name__}")
+    if inv_smooth is not None and inv_smooth.shape != (x.shape[-1],):
+        raise QuantizationInputError(
+            f"quantize_rows_int8: inv_smooth has shape {tuple(inv_smooth.shape)}, expected ({x.shape[-1]},)"
+        )
+    rows = smoothed_rows(x, inv_smooth)
+    amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
+    scale = amax / INT8_MAX
+    rcp = INT8_MAX / amax
+    q = torch.round(rows * rcp).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in float32 (the smoothed rows the codes stand for)."""
+    return q.float() * scale.float()
+
+
+__all__ = ["INT8_AMAX_FLOOR", "INT8_MAX", "dequantize_rows_int8", "quantize_rows_int8", "smoothed_rows"]
