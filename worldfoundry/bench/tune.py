@@ -44,7 +44,6 @@ DEFAULT_SPACE: dict[str, Any] = {
     "attention_policy": {"cuda_only": True, "choices": [
         {"self": {"backend": "fa3", "min_tokens": 8192}},
         {"self": {"backend": "sage", "min_tokens": 8192}}]},
-    "svdquant": {"cuda_only": True, "choices": [{"backend": "auto"}]},
     "wan_cross_kv_fusion": {"choices": [{"min_tokens": 0}]},
     "optimized_mha": {"choices": [{"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}}]},
 }
