@@ -108,7 +108,7 @@ def test_verdict_for_each_path(tmp_path: Path, registry: AccelerationRegistry) -
     results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(out), rounds=3,
                                     progress=False), registry=registry)
     verdicts = {c["name"]: c["verdict"] for c in results["candidates"]}
-    assert verdicts["exact"] in ("recommended", "no_stable_gain")
+    assert verdicts["exact"] in ("recommended", "no_stable_gain", "noisy_host")
     assert verdicts["never"] == "invalid_not_executed"
     assert verdicts["nan"] == "invalid_nonfinite"
     assert verdicts["fails"] == "rejected_at_install"
@@ -116,12 +116,12 @@ def test_verdict_for_each_path(tmp_path: Path, registry: AccelerationRegistry) -
     assert verdicts["liar"] == "invalid_exactness_claim"
     by = {c["name"]: c for c in results["candidates"]}
     assert by["exact"]["quality"]["worst"]["bitwise_equal"] is True
-    assert len(by["exact"]["speed"]["speedups"]) == 3 and by["tradeoff"]["speed"] is not None
+    assert len(by["exact"]["speed"]["speedups"]) >= 3 and by["tradeoff"]["speed"] is not None
     assert "never executed" in " ".join(by["never"]["missing"])
     assert "activation refused" in by["fails"]["error"]
     # the harness itself must not change the model
     assert results["dense"]["stable_after_candidates"] is True
-    assert results["noise_floor"] >= 1.0 and len(results["dense"]["control"]["speedups"]) == 3
+    assert results["noise_floor"] >= 1.0 and len(results["dense"]["control"]["speedups"]) >= 3
     saved = json.loads((out / "results.json").read_text())
     assert saved["candidates"][0]["quality"]["worst"]["psnr_db"] == "inf"
     for key in ("revision", "dirty"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from worldfoundry.bench.candidates import Candidate, CandidateFile, load_candidates
+from worldfoundry.bench.candidates import Candidate, CandidateFile
 from worldfoundry.bench.execution import prove_execution
 from worldfoundry.bench.metrics import quality, relative_l2, within_budget
 from worldfoundry.bench.preflight import ModelChoice, check_workload, resolve_model
@@ -26,7 +26,17 @@ from worldfoundry.bench.provenance import (
     tree_stats,
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
-from worldfoundry.bench.stats import decide, summarize_speed
+from worldfoundry.bench.stats import decide
+from worldfoundry.bench.timing import (
+    TimingPolicy,
+    bound_violation,
+    model_calls,
+    noisy_host,
+    run_rounds,
+    speed_bound,
+    timed_generate,
+)
+from worldfoundry.bench.unavailable import insert_rows, load_available
 from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline, resolve_recipe
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
@@ -61,6 +71,11 @@ class BenchConfig:
     random_weights: bool = False
     require_clean: bool = False
     progress: bool = True
+    target_halfwidth: float = 0.02
+    max_rounds: int | None = None
+    time_budget_s: float = 60.0
+    max_noise_floor: float = 1.05
+    peers: list[str] | None = None
     #: an explicit recipe file (``--recipe-file``); exclusive with ``model``.
     recipe_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +116,8 @@ class BenchPlan:
     choice: ModelChoice
     seeds: list[int]
     rounds: int
+    #: ``(index, row)`` of candidates naming accelerations that are not installed (``rejected_at_install`` rows).
+    unavailable: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
@@ -115,13 +132,13 @@ def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = N
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
     candidates_path = config.candidates or str(default_candidates_path())
-    cfile = load_candidates(candidates_path, registry=registry)
+    cfile, unavailable = load_available(candidates_path, registry=registry)
     choice = resolve_model(config.model, config.recipe_file, cfile, DEFAULT_MODEL, announce)
     check_workload(cfile.workload, resolve_recipe(choice.model)[0], cli_seeds=config.seeds)
     rounds = int(config.rounds or cfile.rounds or 3)
     if not config.quality_only and not 3 <= rounds <= 10_000:
         raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
-    return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds)
+    return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds, unavailable)
 
 
 def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
@@ -142,6 +159,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     plan = plan_bench(config, registry=registry, announce=announce)
     candidates_path, cfile, model, seeds, rounds = (plan.candidates_path, plan.cfile, plan.choice.model, plan.seeds,
                                                     plan.rounds)
+    _timing_policy(config, rounds)  # bad timing options fail here, before a model is built
     git = git_state(project_root())
     if git.get("dirty") and config.require_clean:
         raise DirtyTreeError(f"the checkout has uncommitted changes ({git['changed'][:5]}); commit them or drop "
@@ -153,8 +171,11 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
                                                    random_weights=config.random_weights, registry=registry)
     try:
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
+        insert_rows(results["candidates"], plan.unavailable)
     finally:
         pipe.close()
+        config.extra.pop("_timing_policy", None)
+        config.extra.pop("_noisy", None)
     results["git"] = git
     results["environment"] = environment(policy.device)
     results["inputs"] = _inputs(candidates_path, config, cfile)
@@ -195,14 +216,27 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     steps_per_candidate = 1 + (0 if config.quality_only else rounds)
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
+    tpolicy = _timing_policy(config, rounds)
+    results["timing_policy"] = asdict(tpolicy)
     if not config.quality_only:
-        control = _control_pairs(runner, dense, seeds, rounds)
+        control = _control_pairs(runner, dense, seeds, tpolicy)
         results["dense"]["control"] = control
         noise_floor = max(1.0, control["ci95"][1])
+        results["noisy_host"] = noisy_host(noise_floor, tpolicy)
+        if results["noisy_host"]:  # no speed verdict will be given: more rounds would only cost time
+            logger.warning("%s", results["noisy_host"])
+            tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
+            results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
     results["noise_floor"] = noise_floor
+    config.extra["_timing_policy"] = tpolicy
+    config.extra["_noisy"] = bool(results.get("noisy_host"))
     for cand in cfile.candidates:
         results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy, registry,
                                                monitor, bar, noise_floor))
+    if config.peers and not config.quality_only:
+        from worldfoundry.bench.peers import run_peers
+
+        results["peers"] = run_peers(config.peers, runner, dense, seeds, tpolicy)
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
@@ -212,14 +246,20 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     return results
 
 
-def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], rounds: int) -> dict[str, Any]:
+def _timing_policy(config: BenchConfig, rounds: int) -> TimingPolicy:
+    return TimingPolicy(min_rounds=max(3, rounds), max_rounds=max(rounds, config.max_rounds or 4 * rounds),
+                        target_halfwidth=config.target_halfwidth, budget_s=config.time_budget_s,
+                        max_noise_floor=config.max_noise_floor)
+
+
+def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
     """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
-    first, second = [], []
-    for r in range(rounds):
+
+    def pair(r: int) -> tuple[float, float]:
         seed = seeds[r % len(seeds)]
-        first.append(runner.generate(seed, "control-a").timings["denoise_s"])
-        second.append(runner.generate(seed, "control-b").timings["denoise_s"])
-    return summarize_speed(first, second)
+        return timed_generate(runner, seed, "control-a")[1], timed_generate(runner, seed, "control-b")[1]
+
+    return run_rounds(pair, policy)
 
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
@@ -255,15 +295,22 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         exact_ok = not record["exact_claimed"] or worst["bitwise_equal"]
         speed, mismatches = None, []
         if not config.quality_only and worst["finite"] and executed:
-            speed, mismatches, session = _time_pairs(cand, runner, dense, pilots, seeds, rounds, policy, registry,
-                                                     monitor, bar, session)
+            speed, mismatches, session = _time_pairs(cand, runner, dense, pilots, seeds,
+                                                     config.extra["_timing_policy"], policy, registry, monitor, bar,
+                                                     session)
         else:
             bar.update(0 if config.quality_only else rounds)
         record["speed"] = speed
         record["timing_mismatch"] = mismatches
+        bound = speed_bound(record["skipped"], model_calls(cfile.workload) * len(seeds))
+        record["speed_bound"] = bound
+        violation = bound_violation(speed, bound, config.extra["_timing_policy"].bound_tolerance)
+        if violation:
+            record["timing_invalid"] = violation
         record["verdict"] = decide(installed=True, finite=worst["finite"], executed=executed, exact_ok=exact_ok,
                                    timing_ok=not mismatches, quality_ok=all(checks.values()), speed=speed,
-                                   gpu_shared=monitor.shared, noise_floor=noise_floor)
+                                   gpu_shared=monitor.shared, noise_floor=noise_floor, bound_ok=violation is None,
+                                   noisy=config.extra.get("_noisy", False))
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
         record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",
@@ -275,51 +322,53 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
 
 
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
-                rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
+                tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
                 bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
     """Interleaved pairs of the denoising loop, in ABBA order (dense first in even rounds, candidate first in
     odd rounds) so slow drifts of the machine do not favour either side; outputs checked against pilots."""
     den = runner.pipe.components.denoiser
-    dense_s, cand_s, mismatches = [], [], []
+    mismatches: list[str] = []
+    steps: dict[str, list[list[float]]] = {"dense": [], "candidate": []}
 
     def timed_dense(r: int, seed: int) -> float:
         nonlocal session
         if session is not None and session.installed:
             session.uninstall()
         monitor.sample()
-        d = runner.generate(seed, "dense-timed")
+        d, seconds, phases = timed_generate(runner, seed, "dense-timed")
+        steps["dense"].append(phases["steps_s"])
         monitor.sample()
         if not torch.equal(d.latents, dense[seed].latents):
             mismatches.append(f"round {r}: dense output differs from its pilot")
-        return d.timings["denoise_s"]
+        return seconds
 
     def timed_candidate(r: int, seed: int) -> float:
         nonlocal session
         if session is None or not session.installed:
             session = den.install(cand.accelerations, policy, registry=registry)
         monitor.sample()
-        c = runner.generate(seed, f"{cand.name}-timed")
+        c, seconds, phases = timed_generate(runner, seed, f"{cand.name}-timed")
+        steps["candidate"].append(phases["steps_s"])
         monitor.sample()
         if not torch.equal(c.latents, pilots[seed].latents):
             err = relative_l2(c.latents, pilots[seed].latents)
             if not err <= TIMING_RTOL:
                 mismatches.append(f"round {r}: candidate output differs from its pilot (rel L2 {err:.3g})")
-        return c.timings["denoise_s"]
+        return seconds
 
-    for r in range(rounds):
+    def pair(r: int) -> tuple[float, float]:
         seed = seeds[r % len(seeds)]
         if r % 2 == 0:
             d_s = timed_dense(r, seed)
-            c_s = timed_candidate(r, seed)
-        else:
-            c_s = timed_candidate(r, seed)
-            d_s = timed_dense(r, seed)
-        dense_s.append(d_s)
-        cand_s.append(c_s)
-        bar.update(1)
+            return d_s, timed_candidate(r, seed)
+        c_s = timed_candidate(r, seed)
+        return timed_dense(r, seed), c_s
+
+    speed = run_rounds(pair, tpolicy, on_round=lambda: bar.update(1))
+    speed["steps_s"] = steps
     if session is None or not session.installed:
         session = den.install(cand.accelerations, policy, registry=registry)
-    return summarize_speed(dense_s, cand_s), mismatches, session
+    return speed, mismatches, session
 
 
 def _worst(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from typing import Any
 
 from worldfoundry.bench.metrics import json_number
 
-PSNR_PLOT_CAP = 80.0
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -65,6 +64,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     env = results["environment"]
     git = results["git"]
     lines = [f"# Benchmark: {results['model']}", ""]
+    if results.get("noisy_host"):
+        lines += [f"> **{results['noisy_host']}**", ""]
     if git.get("dirty"):
         lines += [f"> **DIRTY TREE** — uncommitted changes at revision {git.get('revision')}: "
                   f"{', '.join(git.get('changed', [])[:8])}. Results may not be reproducible.", ""]
@@ -79,11 +80,13 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- workload: {json.dumps(results['workload'])}",
         f"- seeds: {results['seeds']} · paired rounds: {results['rounds']} · quality budget: rel L2 ≤ "
         f"{budget['latent_rel_l2']}, PSNR ≥ {budget['psnr_db']} dB, min SSIM ≥ {budget['min_ssim']}",
-        f"- GPU sharing during timing: {results.get('gpu_sharing', {}).get('shared')}",
+        f"- GPU sharing during timing: {_sharing(results)}",
+        f"- timing: {_timing_line(results)}",
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
         render_table(results),
         "",
+        *_peer_lines(results),
         "Speedup = dense time / candidate time of the denoising loop, per interleaved pair; median and 95% "
         "bootstrap CI over pairs. `recommended` needs quality within budget and a CI lower bound above the noise "
         f"floor ({_fmt(results.get('noise_floor'), 4)}: the upper CI bound of dense-vs-dense control pairs "
@@ -94,8 +97,13 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         details = []
         if c.get("error"):
             details.append(f"  - error: {c['error']}")
-        for item in c.get("missing", [])[:10]:
+        missing = c.get("missing", [])
+        for item in missing[:10]:
             details.append(f"  - not executed: {item}")
+        if len(missing) > 10:
+            details.append(f"  - … and {len(missing) - 10} more not executed (all in results.json)")
+        if c.get("timing_invalid"):
+            details.append(f"  - invalid timing: {c['timing_invalid']}")
         if c.get("fallbacks"):
             details.append(f"  - dense fallbacks: {json.dumps(c['fallbacks'])}")
         if c.get("skipped"):
@@ -111,51 +119,42 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+def _sharing(results: dict[str, Any]) -> str:
+    if results.get("environment", {}).get("device", "cpu") == "cpu":
+        return "not applicable (CPU run)"
+    shared = results.get("gpu_sharing", {}).get("shared")
+    return "not measured" if shared is None else ("**yes**" if shared else "no")
+
+
+def _timing_line(results: dict[str, Any]) -> str:
+    tp = results.get("timing_policy")
+    if not tp or results.get("quality_only"):
+        return "none (quality only)"
+    return (f"adaptive rounds {tp['min_rounds']}–{tp['max_rounds']} until the CI half-width ≤ "
+            f"{tp['target_halfwidth']:.1%} or {tp['budget_s']:.0f} s per candidate; denoise loop timed with "
+            f"{'CUDA events' if results.get('environment', {}).get('device') == 'cuda' else 'perf_counter'}; "
+            f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']})")
+
+
+def _peer_lines(results: dict[str, Any]) -> list[str]:
+    peers = results.get("peers")
+    if not peers:
+        return []
+    lines = ["Peer reference rows (not plugins; timed the same way):", "",
+             "| peer | status | latent rel L2 | warm-up s | median speedup | 95% CI | rounds |", "|---|---|---|---|---|---|---|"]
+    for p in peers:
+        sp = p.get("speed") or {}
+        ci = sp.get("ci95")
+        status = p.get("reason") or p.get("error") or p["verdict"]
+        lines.append(f"| {p['name']} | {status} | {_fmt(p.get('latent_rel_l2'))} | {_fmt(p.get('warmup_s'), 3)} | "
+                     f"{_fmt(sp.get('median_speedup'))}{'×' if sp else ''} | "
+                     f"{'[' + _fmt(ci[0]) + ', ' + _fmt(ci[1]) + ']' if ci else '–'} | {_fmt(sp.get('rounds'))} |")
+    return lines + [""]
+
+
 def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
+    """The PNG plots (see :mod:`worldfoundry.bench.plots`)."""
+    from worldfoundry.bench.plots import write_all
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return write_all(results, out_dir)
 
-    timed = [c for c in results["candidates"] if c.get("speed")]
-    paths = []
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(timed) + 2), 3.5))
-    if timed:
-        names = [c["name"] for c in timed]
-        med = [c["speed"]["median_speedup"] for c in timed]
-        lo = [m - c["speed"]["ci95"][0] for m, c in zip(med, timed)]
-        hi = [c["speed"]["ci95"][1] - m for m, c in zip(med, timed)]
-        colors = ["tab:green" if c["verdict"] == "recommended" else "tab:gray" for c in timed]
-        ax.bar(names, med, yerr=[lo, hi], color=colors, capsize=4)
-        ax.tick_params(axis="x", labelrotation=30)
-    else:
-        ax.text(0.5, 0.5, "no timed candidates", ha="center", va="center", transform=ax.transAxes)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("speedup vs dense (median, 95% CI)")
-    ax.set_title(f"{results['model']}: paired speedup")
-    fig.tight_layout()
-    paths.append(out_dir / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(5.5, 4.0))
-    budget = results["budget"]
-    for c in timed:
-        psnr = c.get("quality", {}).get("worst", {}).get("psnr_db")
-        if psnr is None:
-            continue
-        x = min(float(psnr), PSNR_PLOT_CAP)
-        ax.scatter([x], [c["speed"]["median_speedup"]], color="tab:green" if c["verdict"] == "recommended" else "tab:red")
-        ax.annotate(c["name"], (x, c["speed"]["median_speedup"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
-    ax.axvline(budget["psnr_db"], color="tab:blue", linestyle="--", label=f"budget PSNR ≥ {budget['psnr_db']} dB")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel(f"decoded-RGB PSNR vs dense, dB (identical plotted at {PSNR_PLOT_CAP:.0f})")
-    ax.set_ylabel("median speedup")
-    ax.legend(fontsize=8)
-    ax.set_title("quality vs speed")
-    fig.tight_layout()
-    paths.append(out_dir / "quality_vs_speed.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths

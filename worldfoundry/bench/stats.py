@@ -15,6 +15,8 @@ VERDICTS = (
     "invalid_not_executed",
     "invalid_nonfinite",
     "invalid_timing_mismatch",
+    "invalid_timing",
+    "noisy_host",
     "invalid_exactness_claim",
     "refused_shared_gpu",
     "rejected_at_install",
@@ -49,9 +51,13 @@ def summarize_speed(dense_s: list[float], cand_s: list[float]) -> dict[str, Any]
 
 
 def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, timing_ok: bool,
-           quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool, noise_floor: float = 1.0) -> str:
+           quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool, noise_floor: float = 1.0,
+           bound_ok: bool = True, noisy: bool = False) -> str:
     """The verdict, invalid states first. ``recommended`` needs the speedup CI's lower bound above both 1 and
-    ``noise_floor`` (the upper CI bound of dense-vs-dense control pairs measured in the same run)."""
+    ``noise_floor`` (the upper CI bound of dense-vs-dense control pairs measured in the same run).
+
+    ``bound_ok=False`` (a speedup above what the receipts allow) gives ``invalid_timing``; ``noisy=True`` (the
+    noise floor above the threshold) gives ``noisy_host`` instead of any speed verdict."""
     if not installed:
         return "rejected_at_install"
     if not finite:
@@ -64,8 +70,12 @@ def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, tim
         return "quality_only"
     if not timing_ok:
         return "invalid_timing_mismatch"
+    if not bound_ok:
+        return "invalid_timing"
     if gpu_shared:
         return "refused_shared_gpu"
     if not quality_ok:
         return "measured_quality_tradeoff"
+    if noisy:
+        return "noisy_host"
     return "recommended" if speed["ci95"][0] > max(1.0, noise_floor) else "no_stable_gain"

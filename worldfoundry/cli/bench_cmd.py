@@ -40,6 +40,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", action="store_true", help="real recipe with seeded random weights")
     p.add_argument("--require-clean", action="store_true", help="refuse to run on a checkout with uncommitted changes")
     p.add_argument("--no-progress", action="store_true")
+    add_timing_arguments(p)
+
+
+def add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """Adaptive timing and peer options (shared with ``worldfoundry tune``)."""
+    p.add_argument("--target-halfwidth", type=float, default=0.02,
+                   help="add paired rounds until the speedup CI half-width / median is at most this (default 0.02)")
+    p.add_argument("--max-rounds", type=int, default=None, help="never more paired rounds than this (default 4x)")
+    p.add_argument("--time-budget", type=float, default=60.0,
+                   help="seconds of timing per candidate after which no rounds are added (default 60)")
+    p.add_argument("--max-noise-floor", type=float, default=1.05,
+                   help="dense-vs-dense CI upper bound above which no speed verdicts are given (default 1.05)")
+    p.add_argument("--peers", nargs="*", default=None,
+                   help="reference rows: eager compile fbcache dbcache float8 (no names: all that apply)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -87,6 +101,9 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, rounds=args.rounds, seeds=args.seeds, quality_only=args.quality_only,
         random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
         recipe_file=args.recipe_file,
+        target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+        max_noise_floor=args.max_noise_floor,
+        peers=(list(args.peers) or ["all"]) if args.peers is not None else None,
     )
     try:
         results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))

@@ -30,6 +30,7 @@ COMMANDS: Final[dict[str, str]] = {
     "estimate-residency": "worldfoundry.cli.estimate_residency_cmd",
     "bench": "worldfoundry.cli.bench_cmd",
     "calibrate": "worldfoundry.cli.calibrate_cmd",
+    "tune": "worldfoundry.cli.tune_cmd",
 }
 
 

@@ -1,0 +1,93 @@
+"""W17 on one GPU, twice in one process: noise floor, CI half-width, verdict stability and the peer rows.
+
+Run A: ``worldfoundry bench`` on ``recipes/candidates/wan2.1-1.3b-h200.json`` with ``--peers`` (eager,
+regional torch.compile, FirstBlockCache; cache-dit/torchao when installed). Run B: the same candidates again
+without peers. Prints per candidate both verdicts, medians and CI half-widths, then the goal checks
+(noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
+``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
+
+    python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.core.model_loading.recipes import project_root
+
+CANDIDATES = project_root() / "recipes" / "candidates" / "wan2.1-1.3b-h200.json"
+
+
+def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | None) -> dict[str, Any] | None:
+    t0 = time.perf_counter()
+    try:
+        results = run_bench(BenchConfig(
+            model=args.model, candidates=str(CANDIDATES), out=str(out / name), device="cuda", dtype="bf16",
+            random_weights=True, rounds=3, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+            target_halfwidth=0.02, peers=peers, progress=False))
+    except Exception:  # one failed run must not hide the other
+        print(f"run {name} FAILED:\n{traceback.format_exc()}")
+        return None
+    results["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def _row(c: dict[str, Any]) -> tuple[str, str, str]:
+    sp = c.get("speed") or {}
+    med = f"{sp['median_speedup']:.3f}" if sp else "-"
+    hw = f"{sp['halfwidth']:.1%}/{sp['rounds']}r" if sp else "-"
+    return c["verdict"], med, hw
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="wan2.1-t2v-1.3b")
+    p.add_argument("--time-budget", type=float, default=6.0)
+    p.add_argument("--max-rounds", type=int, default=20)
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "bench_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    a = one_run("w17a", out, args, ["eager", "compile", "fbcache", "dbcache", "float8"])
+    b = one_run("w17b", out, args, None)
+    summary: dict[str, Any] = {"candidates": {}, "peers": [], "runs": {}}
+    for tag, res in (("a", a), ("b", b)):
+        if res:
+            summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
+                                    "control_halfwidth": res["dense"]["control"].get("halfwidth"),
+                                    "wall_s": res["wall_s"]}
+            for c in res["candidates"]:
+                summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
+    if a:
+        for peer in a.get("peers", []):
+            sp = peer.get("speed") or {}
+            summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
+                                     peer["verdict"], "median": sp.get("median_speedup"),
+                                     "halfwidth": sp.get("halfwidth"), "warmup_s": peer.get("warmup_s"),
+                                     "rel_l2": peer.get("latent_rel_l2")})
+    (out / "w17_stability.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\n{'candidate':28} {'verdict A':26} {'med A':>7} {'hw A':>10} | {'verdict B':26} {'med B':>7} {'hw B':>10}")
+    same = True
+    for name, runs in summary["candidates"].items():
+        ra, rb = runs.get("a", ("-",) * 3), runs.get("b", ("-",) * 3)
+        same &= ra[0] == rb[0]
+        print(f"{name:28} {ra[0]:26} {ra[1]:>7} {ra[2]:>10} | {rb[0]:26} {rb[1]:>7} {rb[2]:>10}")
+    print("\npeers (run A):")
+    for peer in summary["peers"]:
+        print(f"  {peer['name']:14} {str(peer['status'])[:60]:60} median {peer['median']} hw {peer['halfwidth']} "
+              f"warm-up {peer['warmup_s']} relL2 {peer['rel_l2']}")
+    for tag, run in summary["runs"].items():
+        print(f"run {tag}: noise floor {run['noise_floor']:.4f} (goal <= 1.02), control half-width "
+              f"{run['control_halfwidth']:.2%}, wall {run['wall_s']:.0f} s, noisy: {bool(run['noisy_host'])}")
+    print(f"verdicts identical across runs: {same and len(summary['runs']) == 2}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

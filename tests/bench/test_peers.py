@@ -1,0 +1,42 @@
+"""Peer reference rows on the CPU: diffusers eager and FirstBlockCache, timed like candidates, then undone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.bench.peers import resolve_peers
+
+WORKLOAD = {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 4, "guidance": 5.0,
+            "seeds": [1]}
+
+
+def test_resolve_skips_what_cannot_run_here() -> None:
+    run, skipped = resolve_peers(None, torch.device("cpu"))
+    reasons = {s["peer"]: s["reason"] for s in skipped}
+    assert "eager" in run and "fbcache" in run and "compile" in reasons and "float8" in reasons
+    run, _ = resolve_peers(["compile"], torch.device("cpu"))
+    assert run == ["compile"]  # asked for explicitly: runs on the CPU too
+    with pytest.raises(ValueError, match="unknown peer"):
+        resolve_peers(["teacache"], torch.device("cpu"))
+
+
+def test_eager_and_first_block_cache_rows(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
+        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
+    results = run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
+                                    rounds=3, max_rounds=3, progress=False, peers=["eager", "fbcache"]))
+    peers = {p["peer"]: p for p in results["peers"]}
+    assert set(peers) == {"eager", "fbcache"}, results["peers"]
+    for row in peers.values():
+        assert row["verdict"] == "peer_reference", row.get("error")
+        assert row["speed"]["rounds"] == 3 and row["warmup_s"] >= 0.0
+    assert peers["eager"]["latent_rel_l2"] == 0.0
+    assert 0.0 <= peers["fbcache"]["latent_rel_l2"] < 1.0
+    assert results["dense"]["stable_after_candidates"] is True
+    assert "| peer:fbcache | peer_reference |" in (tmp_path / "o" / "report.md").read_text()

@@ -1,0 +1,108 @@
+"""Timing logic with injected measurements: stopping rule, receipts bound, noisy-host rule, loop timer."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from worldfoundry.bench.stats import decide
+from worldfoundry.bench.timing import (
+    LoopTimer,
+    TimingPolicy,
+    bound_violation,
+    ci_halfwidth,
+    model_calls,
+    noisy_host,
+    run_rounds,
+    speed_bound,
+)
+
+
+def _fake_clock(step: float):
+    counter = itertools.count()
+    return lambda: next(counter) * step
+
+
+def test_stops_at_min_rounds_when_pairs_agree() -> None:
+    out = run_rounds(lambda r: (2.0, 1.0), TimingPolicy(min_rounds=3, max_rounds=10), clock=_fake_clock(0.0))
+    assert out["rounds"] == 3 and out["stopped"] == "target" and out["median_speedup"] == 2.0
+    assert out["halfwidth"] == 0.0
+
+
+def test_noisy_pairs_run_to_max_rounds() -> None:
+    noisy = [(1.0, 0.5), (1.0, 2.0)] * 20
+    out = run_rounds(lambda r: noisy[r], TimingPolicy(min_rounds=3, max_rounds=7, budget_s=1e9),
+                     clock=_fake_clock(0.0))
+    assert out["rounds"] == 7 and out["stopped"] == "max_rounds" and out["halfwidth"] > 0.02
+
+
+def test_time_budget_stops_adding_rounds() -> None:
+    noisy = [(1.0, 0.5), (1.0, 2.0)] * 20
+    out = run_rounds(lambda r: noisy[r], TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0),
+                     clock=_fake_clock(1.0))
+    assert out["stopped"] == "budget" and 3 <= out["rounds"] < 30
+
+
+def test_rounds_added_until_the_ci_narrows() -> None:
+    # a few noisy rounds first, then steady ones: the rule must stop once the CI has narrowed, not before
+    data = [(1.0, 0.5), (1.0, 1.0), (1.0, 0.8)] + [(1.0, 0.8)] * 40
+    out = run_rounds(lambda r: data[r], TimingPolicy(min_rounds=3, max_rounds=40, target_halfwidth=0.02,
+                                                    budget_s=1e9), clock=_fake_clock(0.0))
+    assert out["stopped"] == "target" and 3 < out["rounds"] < 40
+    assert ci_halfwidth(out) <= 0.02
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_rounds=2), dict(max_rounds=2), dict(target_halfwidth=0.0),
+                                    dict(budget_s=0.0)])
+def test_policy_rejects_bad_values(kwargs) -> None:
+    with pytest.raises(ValueError):
+        TimingPolicy(**kwargs)
+
+
+def test_receipts_bound() -> None:
+    calls = model_calls({"steps": 8, "guidance": 5.0})
+    assert calls == 16 and model_calls({"steps": 8, "guidance": 1.0}) == 8
+    bound = speed_bound({"easycache": {"steps": 6}}, calls)
+    assert bound == pytest.approx(1.6)
+    assert speed_bound({}, calls) is None and speed_bound({"easycache": {"steps": 0}}, calls) is None
+    assert speed_bound({"c": {"steps": 16}}, 16) == float("inf")
+    # the measured 21.1x of a cache that skipped 6 of 16 calls is impossible; 1.62x is within tolerance
+    assert "exceeds the receipts bound" in bound_violation({"median_speedup": 21.1}, bound, 0.05)
+    assert bound_violation({"median_speedup": 1.62}, bound, 0.05) is None
+    assert bound_violation(None, bound, 0.05) is None
+
+
+def test_invalid_timing_and_noisy_verdicts() -> None:
+    speed = {"ci95": [1.5, 1.7], "median_speedup": 1.6}
+    base = dict(installed=True, finite=True, executed=True, exact_ok=True, timing_ok=True, quality_ok=True,
+                speed=speed, gpu_shared=False)
+    assert decide(**base) == "recommended"
+    assert decide(**base, bound_ok=False) == "invalid_timing"
+    assert decide(**base, noisy=True) == "noisy_host"
+    assert decide(**{**base, "quality_ok": False}, noisy=True) == "measured_quality_tradeoff"
+
+
+def test_noisy_host_banner_states_threshold() -> None:
+    policy = TimingPolicy(max_noise_floor=1.05)
+    assert noisy_host(1.02, policy) is None
+    banner = noisy_host(1.9, policy)
+    assert "1.900" in banner and "1.050" in banner and "no speed verdicts" in banner
+
+
+class _Den:
+    def prepare_request_schedule(self, rid, schedule):
+        return "p"
+
+    def end_request(self, rid):
+        return "e"
+
+
+def test_loop_timer_restores_the_methods() -> None:
+    den = _Den()
+    with LoopTimer(den, torch.device("cpu")) as timer:
+        assert den.prepare_request_schedule("r", None) == "p"
+        assert den.end_request("r") == "e"
+    assert timer.seconds is not None and timer.seconds >= 0.0
+    assert "prepare_request_schedule" not in vars(den) and "end_request" not in vars(den)

@@ -1,0 +1,55 @@
+"""``worldfoundry tune`` on the trained tiny model (CPU, small search): the tuned file re-benches within budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.bench.tune import TuneConfig, TuneSpaceError, run_tune, threshold_grid, usable_space
+from worldfoundry.cli.main import main
+from worldfoundry.core.acceleration.registry import diffusion_acceleration_registry
+
+WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 5, "height": 32, "width": 32,
+            "steps": 6, "guidance": 5.0, "shift": 3.0, "seeds": [42]}
+SPACE = {"easycache": {"threshold": [0.05, 0.4], "warmup_steps": [1], "grid": 2},
+         "wan_cross_kv_fusion": {"choices": [{"min_tokens": 0}]},
+         "not_a_plugin": {"choices": [{}]}}
+
+
+def test_threshold_grid_and_space_checks() -> None:
+    assert threshold_grid(0.02, 0.32, 5) == [0.02, 0.04, 0.08, 0.16, 0.32]
+    with pytest.raises(TuneSpaceError, match=r"space.easycache.threshold"):
+        run_tune(TuneConfig(space={"easycache": {"threshold": [0.4, 0.1]}}))
+    with pytest.raises(TuneSpaceError, match=r"space.x.choices"):
+        run_tune(TuneConfig(space={"x": {"choices": []}}))
+    usable, left = usable_space({"selective_fp8": {"cuda_only": True, "choices": [{}]}, **SPACE},
+                                diffusion_acceleration_registry(), "cpu")
+    assert left == {"selective_fp8": "needs CUDA", "not_a_plugin": "not installed"}
+    assert set(usable) == {"easycache", "wan_cross_kv_fusion"}
+
+
+def test_tuned_configuration_rebenches_within_budget(tmp_path: Path) -> None:
+    budget = {"latent_rel_l2": 0.2, "psnr_db": 20.0, "min_ssim": 0.5}
+    trace = run_tune(TuneConfig(workload=WORKLOAD, budget=budget, space=SPACE, out=str(tmp_path / "t"),
+                                refine=1, survivors=2, time_budget_s=2.0, progress=False))
+    assert [p["pass"] for p in trace["passes"]][0] == "coarse" and trace["passes"][-1]["timed"] is True
+    assert all(not p["timed"] for p in trace["passes"][:-1])  # quality-only passes first, timing last
+    chosen = trace["chosen"]
+    assert chosen is not None and all(chosen["within_budget"].values())
+    tuned = json.loads((tmp_path / "t" / "tuned.json").read_text())
+    assert tuned["candidates"][0]["accelerations"] == chosen["accelerations"]
+    again = run_bench(BenchConfig(candidates=str(tmp_path / "t" / "tuned.json"), out=str(tmp_path / "re"),
+                                  quality_only=True, progress=False))
+    record = again["candidates"][0]
+    assert record["executed"] and all(record["within_budget"].values())
+    assert "not_a_plugin" in (tmp_path / "t" / "tune_report.md").read_text()
+
+
+def test_cli_reports_a_bad_space(tmp_path: Path, capsys) -> None:
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"easycache": {"threshold": "high"}}))
+    assert main(["tune", "--space", str(space), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "space.easycache.threshold" in capsys.readouterr().err

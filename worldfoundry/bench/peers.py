@@ -1,0 +1,216 @@
+"""Peer reference rows: what a user would otherwise turn on, timed the same way as the candidates.
+
+Peers are not plugins: each is applied to the dense model for its rows and removed after (each undo is named
+below), then timed in interleaved pairs against dense with :func:`~worldfoundry.bench.timing.run_rounds`.
+
+* ``eager``: diffusers eager (dense against dense: the control, shown as a row).
+* ``compile``: ``ModelMixin.compile_repeated_blocks()`` (regional torch.compile); the warm-up (compile) time is
+  reported. Undo: the compiled call of each block is dropped. Skipped on the CPU unless named explicitly.
+* ``fbcache``: diffusers ``enable_cache(FirstBlockCacheConfig(threshold))`` with one ``cache_context`` per CFG
+  branch. Undo: ``disable_cache()``.
+* ``dbcache``: cache-dit DBCache, when ``cache_dit`` is installed. Undo: ``cache_dit.disable_cache``.
+* ``float8``: torchao ``Float8DynamicActivationFloat8WeightConfig``, when ``torchao`` is installed (CUDA only).
+  Undo: the original Linear weight parameters are put back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from worldfoundry.bench.metrics import relative_l2
+from worldfoundry.bench.timing import TimingPolicy, run_rounds, timed_generate
+
+logger = logging.getLogger(__name__)
+
+KNOWN_PEERS = ("eager", "compile", "fbcache", "dbcache", "float8")
+DEFAULT_PEERS = ("eager", "compile", "fbcache", "dbcache", "float8")
+FBCACHE_THRESHOLD = 0.05
+
+
+def resolve_peers(names: list[str] | None, device: torch.device) -> tuple[list[str], list[dict[str, Any]]]:
+    """The peers to run and the rows of those skipped (with why).
+
+    Raises:
+        ValueError: an unknown peer name.
+    """
+    explicit = bool(names) and names != ["all"]
+    wanted = list(DEFAULT_PEERS) if not names or names == ["all"] else list(names)
+    unknown = sorted(set(wanted) - set(KNOWN_PEERS))
+    if unknown:
+        raise ValueError(f"--peers: unknown peer(s) {unknown}; known: {', '.join(KNOWN_PEERS)}")
+    run, skipped = [], []
+    for name in wanted:
+        reason = None
+        if name == "compile" and device.type == "cpu" and not explicit:
+            reason = "torch.compile is skipped on the CPU unless asked for (--peers compile)"
+        elif name == "dbcache" and importlib.util.find_spec("cache_dit") is None:
+            reason = "cache-dit is not installed"
+        elif name == "float8" and importlib.util.find_spec("torchao") is None:
+            reason = "torchao is not installed"
+        elif name == "float8" and device.type != "cuda":
+            reason = "torchao float8 needs CUDA"
+        if reason:
+            skipped.append({"name": f"peer:{name}", "peer": name, "verdict": "peer_skipped", "reason": reason})
+        else:
+            run.append(name)
+    return run, skipped
+
+
+def _with_branch_context(module: torch.nn.Module) -> Callable[[], None]:
+    """Wrap ``module.forward`` in ``module.cache_context(branch)`` from the request context; returns the undo."""
+    from worldfoundry.core.acceleration.context import current_request
+
+    had = "forward" in vars(module)
+    orig = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        ctx = current_request()
+        with module.cache_context(ctx.branch if ctx is not None else "cond"):
+            return orig(*args, **kwargs)
+
+    module.forward = forward
+
+    def undo() -> None:
+        if had:
+            module.forward = orig
+        else:
+            del module.forward
+
+    return undo
+
+
+def _apply(name: str, modules: list[torch.nn.Module]) -> tuple[Callable[[], None], dict[str, Any]]:
+    """Apply one peer to every expert module; returns its undo and facts about it."""
+    undos: list[Callable[[], None]] = []
+    info: dict[str, Any] = {}
+    if name == "eager":
+        pass
+    elif name == "compile":
+        for m in modules:
+            m.compile_repeated_blocks(fullgraph=True)
+            compiled = [(b, b._compiled_call_impl) for b in m.modules()
+                        if getattr(b, "_compiled_call_impl", None) is not None]
+
+            def undo(compiled: list[Any] = compiled) -> None:
+                for b, _ in compiled:
+                    b._compiled_call_impl = None
+
+            undos.append(undo)
+            info.setdefault("_recompile", []).extend(compiled)
+    elif name == "fbcache":
+        from diffusers import FirstBlockCacheConfig
+
+        for m in modules:
+            m.enable_cache(FirstBlockCacheConfig(threshold=FBCACHE_THRESHOLD))
+            undos.append(m.disable_cache)
+            undos.append(_with_branch_context(m))
+            undos.append(lambda m=m: m._reset_stateful_cache())
+        info["threshold"] = FBCACHE_THRESHOLD
+    elif name == "dbcache":
+        import cache_dit
+
+        for m in modules:
+            cache_dit.enable_cache(m)
+            undos.append(lambda m=m: cache_dit.disable_cache(m))
+    elif name == "float8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+
+        for m in modules:
+            saved = [(lin, lin.weight) for lin in m.modules() if isinstance(lin, torch.nn.Linear)]
+            quantize_(m, Float8DynamicActivationFloat8WeightConfig())
+
+            def undo(saved: list[Any] = saved) -> None:
+                for lin, weight in saved:
+                    lin.weight = weight
+
+            undos.append(undo)
+
+    def undo_all() -> None:
+        for fn in reversed(undos):
+            fn()
+
+    return undo_all, info
+
+
+def _reset_caches(modules: list[torch.nn.Module]) -> None:
+    for m in modules:
+        if getattr(m, "is_cache_enabled", False):
+            m._reset_stateful_cache()
+
+
+def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
+    """Apply, warm up (timed), check quality against the dense pilot, time in pairs, undo. Never raises."""
+    den = runner.pipe.components.denoiser
+    modules = list(den.experts.values())
+    row: dict[str, Any] = {"name": f"peer:{name}", "peer": name}
+    undo: Callable[[], None] | None = None
+    try:
+        undo, info = _apply(name, modules)
+        compiled = info.pop("_recompile", None)
+        row.update(info)
+        t0 = time.perf_counter()
+        _reset_caches(modules)
+        pilot = runner.generate(seeds[0], f"peer-{name}-warmup")
+        row["warmup_s"] = time.perf_counter() - t0
+        row["latent_rel_l2"] = max(relative_l2(pilot.latents, dense[seeds[0]].latents), 0.0)
+        active = [True]
+
+        def dense_s(seed: int) -> float:
+            if active[0]:
+                undo()
+                active[0] = False
+            return timed_generate(runner, seed, f"peer-{name}-dense")[1]
+
+        def peer_s(seed: int) -> float:
+            nonlocal undo
+            if not active[0]:
+                if compiled:  # the compiled blocks are put back, not compiled again (no recompilation per round)
+                    for block, impl in compiled:
+                        block._compiled_call_impl = impl
+                else:
+                    undo, _ = _apply(name, modules)
+                active[0] = True
+            _reset_caches(modules)
+            return timed_generate(runner, seed, f"peer-{name}-timed")[1]
+
+        def pair(r: int) -> tuple[float, float]:
+            seed = seeds[r % len(seeds)]
+            if r % 2 == 0:
+                d = dense_s(seed)
+                return d, peer_s(seed)
+            p = peer_s(seed)
+            return dense_s(seed), p
+
+        row["speed"] = run_rounds(pair, policy)
+        row["verdict"] = "peer_reference"
+        if not active[0]:
+            undo = None
+    except Exception as exc:  # a peer that fails is a row, not a crash
+        logger.warning("peer %s failed: %s", name, exc)
+        row.update(verdict="peer_failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if undo is not None:
+            try:
+                undo()
+            except Exception as exc:
+                row["undo_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int],
+              policy: TimingPolicy) -> list[dict[str, Any]]:
+    """Rows for the requested peers (skipped ones say why)."""
+    to_run, rows = resolve_peers(names, runner.pipe.policy.device)
+    for name in to_run:
+        rows.append(run_peer(name, runner, dense, seeds, policy))
+    after = runner.generate(seeds[0], "dense-after-peers")
+    if not torch.equal(after.latents, dense[seeds[0]].latents):
+        logger.error("the dense output changed after the peers ran: a peer was not undone")
+        rows.append({"name": "peer:restore", "verdict": "peer_failed", "error": "dense output changed after peers"})
+    return rows

@@ -1,0 +1,207 @@
+"""Timing that holds: device-event time of the denoise loop, adaptive paired rounds, a receipts-derived upper
+bound on each candidate's speedup, and the noisy-host rule.
+
+* :class:`LoopTimer` times the denoise loop with CUDA events on the GPU (``perf_counter`` on the CPU), between the
+  denoiser's ``prepare_request_schedule`` (the loop starts right after it) and ``end_request`` (right after the
+  last step). Text encoding (``encode_s``) and decoding (``decode_s``) stay separate in the pipeline's timings.
+* :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the paired speedup is at most
+  ``target_halfwidth`` (relative to the median), or ``max_rounds`` / ``budget_s`` end.
+* :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
+  median above ``bound * (1 + tolerance)`` is ``invalid_timing``.
+* :func:`noisy_host`: the dense-vs-dense control CI's upper bound above ``max_noise_floor`` (default 1.05) means
+  the host is too noisy for any speed verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worldfoundry.bench.stats import summarize_speed
+
+#: Default target of the paired-speedup CI half-width, relative to the median (2%).
+DEFAULT_TARGET_HALFWIDTH = 0.02
+#: Control-pair CI upper bound above which no speed verdict is given.
+DEFAULT_MAX_NOISE_FLOOR = 1.05
+#: Slack above the receipts-derived bound before a speedup is called impossible.
+DEFAULT_BOUND_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """How long to time and when to trust the result.
+
+    Args:
+        min_rounds: paired rounds always run (>= 3).
+        max_rounds: rounds never exceeded.
+        target_halfwidth: stop once the CI half-width / median is at most this.
+        budget_s: stop adding rounds for one candidate after this many seconds of timing.
+        max_noise_floor: control CI upper bound above which the host is declared noisy.
+        bound_tolerance: relative slack over the receipts bound.
+    """
+
+    min_rounds: int = 3
+    max_rounds: int = 12
+    target_halfwidth: float = DEFAULT_TARGET_HALFWIDTH
+    budget_s: float = 60.0
+    max_noise_floor: float = DEFAULT_MAX_NOISE_FLOOR
+    bound_tolerance: float = DEFAULT_BOUND_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if self.min_rounds < 3:
+            raise ValueError(f"min_rounds: at least 3 paired rounds are required, got {self.min_rounds}")
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"max_rounds: must be >= min_rounds ({self.min_rounds}), got {self.max_rounds}")
+        if not self.target_halfwidth > 0:
+            raise ValueError(f"target_halfwidth: must be > 0, got {self.target_halfwidth}")
+        if not self.budget_s > 0:
+            raise ValueError(f"budget_s: must be > 0, got {self.budget_s}")
+
+
+def ci_halfwidth(summary: Mapping[str, Any]) -> float:
+    """Half the 95% CI width relative to the median speedup (``inf`` when undefined)."""
+    low, high = summary["ci95"]
+    median = summary["median_speedup"]
+    if not median or median != median or low != low or high != high:
+        return float("inf")
+    return (high - low) / 2.0 / median
+
+
+def run_rounds(pair: Callable[[int], tuple[float, float]], policy: TimingPolicy, *,
+               clock: Callable[[], float] = time.perf_counter,
+               on_round: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run paired rounds ``pair(r) -> (dense_s, candidate_s)`` until the stopping rule holds.
+
+    Returns:
+        :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth`` and
+        ``stopped`` (``"target"``, ``"max_rounds"`` or ``"budget"``).
+    """
+    dense_s: list[float] = []
+    cand_s: list[float] = []
+    start = clock()
+    stopped = "max_rounds"
+    summary: dict[str, Any] = {}
+    for r in range(policy.max_rounds):
+        d, c = pair(r)
+        dense_s.append(float(d))
+        cand_s.append(float(c))
+        if on_round is not None:
+            on_round()
+        if len(dense_s) < policy.min_rounds:
+            continue
+        summary = summarize_speed(dense_s, cand_s)
+        if ci_halfwidth(summary) <= policy.target_halfwidth:
+            stopped = "target"
+            break
+        if clock() - start >= policy.budget_s:
+            stopped = "budget"
+            break
+    if not summary:
+        summary = summarize_speed(dense_s, cand_s)
+    summary.update(rounds=len(dense_s), halfwidth=ci_halfwidth(summary), stopped=stopped,
+                   target_halfwidth=policy.target_halfwidth)
+    return summary
+
+
+def model_calls(workload: Mapping[str, Any]) -> int:
+    """Model calls of one request: steps x CFG branches (routed experts share these calls)."""
+    steps = int(workload.get("steps") or 0)
+    guidance = workload.get("guidance")
+    branches = 2 if guidance is not None and float(guidance) > 1.0 else 1
+    return steps * branches
+
+
+def speed_bound(skipped: Mapping[str, Mapping[str, int]], calls: int) -> float | None:
+    """Upper bound ``n / k`` from the receipts' skipped model calls (``None`` when nothing was skipped).
+
+    Args:
+        skipped: per plugin ``{"steps": count}`` summed over the seeds of one pilot each.
+        calls: model calls per request times the number of seeds summed in ``skipped``.
+    """
+    n_skipped = max((int(counts.get("steps", 0)) for counts in skipped.values()), default=0)
+    if n_skipped <= 0 or calls <= 0:
+        return None
+    ran = calls - n_skipped
+    return float("inf") if ran <= 0 else calls / ran
+
+
+def bound_violation(speed: Mapping[str, Any] | None, bound: float | None, tolerance: float) -> str | None:
+    """A message when the measured median speedup exceeds ``bound * (1 + tolerance)``, else ``None``."""
+    if speed is None or bound is None:
+        return None
+    median = float(speed["median_speedup"])
+    if median > bound * (1.0 + tolerance):
+        return (f"median speedup {median:.3g}x exceeds the receipts bound {bound:.3g}x (+{tolerance:.0%}): "
+                "the timing cannot be right")
+    return None
+
+
+def noisy_host(noise_floor: float, policy: TimingPolicy) -> str | None:
+    """The banner text when the control CI's upper bound exceeds the policy's threshold, else ``None``."""
+    if noise_floor > policy.max_noise_floor:
+        return (f"NOISY HOST: dense-vs-dense noise floor {noise_floor:.3f} > {policy.max_noise_floor:.3f}; "
+                "no speed verdicts are given (quality and execution results stand)")
+    return None
+
+
+class LoopTimer:
+    """Device-event time of the denoise loop of one request (CUDA events on the GPU, ``perf_counter`` else).
+
+    The denoiser's ``prepare_request_schedule`` and ``end_request`` are shadowed on the instance for the
+    duration of ``with`` and restored exactly after; the model is not touched.
+    """
+
+    def __init__(self, denoiser: Any, device: torch.device) -> None:
+        self.denoiser = denoiser
+        self.cuda = device.type == "cuda"
+        self.seconds: float | None = None
+        self._start: Any = None
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def __enter__(self) -> LoopTimer:
+        den = self.denoiser
+        orig_prepare, orig_end = den.prepare_request_schedule, den.end_request
+
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            out = orig_prepare(*args, **kwargs)
+            self._start = self._mark()
+            return out
+
+        def end(*args: Any, **kwargs: Any) -> Any:
+            stop = self._mark()
+            if self.cuda:
+                stop.synchronize()
+                self.seconds = self._start.elapsed_time(stop) / 1e3
+            else:
+                self.seconds = stop - self._start
+            return orig_end(*args, **kwargs)
+
+        self._had = {k: k in vars(den) for k in ("prepare_request_schedule", "end_request")}
+        den.prepare_request_schedule, den.end_request = prepare, end
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for key, had in self._had.items():
+            if not had:
+                delattr(self.denoiser, key)
+
+
+def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[str, Any]]:
+    """One latent-only request; returns the result, the loop's device time and the per-phase timings."""
+    den = runner.pipe.components.denoiser
+    with LoopTimer(den, runner.pipe.policy.device) as timer:
+        result = runner.generate(seed, tag)
+    seconds = timer.seconds if timer.seconds is not None else result.timings["denoise_s"]
+    phases = {"denoise_event_s": seconds, "encode_s": result.timings.get("encode_s"),
+              "steps_s": list(result.timings.get("steps_s", []))}
+    return result, seconds, phases
