@@ -178,8 +178,16 @@ def compute_mode(x: torch.Tensor, freqs: torch.Tensor) -> int:
     return modes[dtype]
 
 
-def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
-            index_limit=INT32_MAX) -> None:
+#: Launch plans by operand geometry (as in :mod:`~worldfoundry.core.fusion.adaln`).
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS: Final = 512
+
+
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.dtype, t.shape, t.stride())
+
+
+def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) -> tuple:
     bsz, s, h, d = q.shape
     rows = bsz * s * h
     pairs = d // 2
@@ -191,15 +199,31 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
         raise ValueError("freqs_cos and freqs_sin differ in shape or strides; use the reference")
     wide = needs_int64(q, k, qo, ko, cos, sin, relu_q, relu_k, qf, kf, v, vf, extra=q.numel(), limit=index_limit)
     zero4 = (0, 0, 0, 0)
-    _rope_kernel[(triton.cdiv(rows, block_r),)](
-        q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
-        kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo, rows, s, h, pairs,
-        *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),
-        *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
-        *(v.stride() if v is not None else zero4), f_b, f_s, f_d,
-        COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
-        OUT_BF16=qo.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
-        BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
+    ints = (rows, s, h, pairs, *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),
+            *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
+            *(v.stride() if v is not None else zero4), f_b, f_s, f_d)
+    kwargs = dict(COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
+                  OUT_BF16=qo.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
+                  BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
+    grid = (-(-rows // block_r),)  # plain ints: triton.cdiv is a slow constexpr function
+    return _rope_kernel[grid], ints, kwargs
+
+
+def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
+            index_limit=INT32_MAX) -> None:
+    key = (_geometry(q), _geometry(k), _geometry(cos), _geometry(sin), _geometry(qo), _geometry(ko),
+           _geometry(relu_q), _geometry(relu_k), _geometry(qf), _geometry(kf), _geometry(v), _geometry(vf),
+           q.device.type, index_limit, software_rounding())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    launcher, ints, kwargs = plan
+    relu = relu_q is not None
+    launcher(q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
+             kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo, *ints, **kwargs)
 
 
 def rope_qk(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
@@ -297,7 +321,7 @@ def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.d
     block_r = max(1, min(d, 4096 // block_n))
     block_r = 1 << (block_r.bit_length() - 1)
     wide = needs_int64(hidden, denom, out, extra=hidden.numel(), limit=index_limit)
-    grid = (triton.cdiv(d, block_r), triton.cdiv(n, block_n), bsz * h)
+    grid = (-(-d // block_r), -(-n // block_n), bsz * h)  # plain ints (triton.cdiv is slow)
     if denom.dtype not in (torch.bfloat16, torch.float32) or hidden.dtype != torch.float32:
         raise ValueError(f"sana_normalize needs a float32 hidden and a bfloat16/float32 denominator, got "
                          f"{hidden.dtype} / {denom.dtype}")
