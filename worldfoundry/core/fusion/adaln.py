@@ -179,11 +179,13 @@ def _plan(key: tuple, mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: tor
 def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor | None, table: torch.Tensor | None,
             emb: torch.Tensor | None, k0: int, k1: int, precision: str, with_float: bool,
             index_limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # the output is allocated contiguous like ``a``: its offsets are ``a``'s, so ``a`` decides its index width
-    key = (mode, out_dtype, a.dtype, a.shape, a.stride(), a.device.type,
-           None if b is None else (b.dtype, b.stride()),
-           None if table is None else (table.dtype, table.stride(), emb.dtype, emb.shape, emb.stride()),
-           precision, with_float, index_limit, software_rounding())
+    # ``a`` is contiguous (every caller checks) and the output is allocated like it, so its shape is its geometry;
+    # the interpreter flag is read when a plan is made (a process does not switch it for CUDA tensors)
+    if table is None:
+        key = (mode, out_dtype, a.dtype, a.shape, b.dtype, b.stride(), with_float, index_limit)
+    else:
+        key = (mode, out_dtype, a.dtype, a.shape, None if b is None else (b.dtype, b.stride()), table.dtype,
+               table.stride(), emb.dtype, emb.shape, emb.stride(), precision, with_float, index_limit)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(key, mode, out_dtype, a, b, table, emb, precision, with_float, index_limit)

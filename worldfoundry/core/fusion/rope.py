@@ -213,7 +213,7 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
             index_limit=INT32_MAX) -> None:
     key = (_geometry(q), _geometry(k), _geometry(cos), _geometry(sin), _geometry(qo), _geometry(ko),
            _geometry(relu_q), _geometry(relu_k), _geometry(qf), _geometry(kf), _geometry(v), _geometry(vf),
-           q.device.type, index_limit, software_rounding())
+           index_limit)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit)

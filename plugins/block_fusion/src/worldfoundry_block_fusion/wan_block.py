@@ -67,18 +67,27 @@ class WanBlockRuntime:
         self._next = {id(block): (blocks[i + 1][1] if i + 1 < len(blocks) else None)
                       for i, (_, block) in enumerate(blocks)}
         self._counts: dict[str, BlockCounts] = {}
+        #: (cos, sin, Q shape, dtype, device) last found eligible for the rotary kernel (held: identities stay unique)
+        self.rotary_checked: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ the block
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         counts = self.counters.block(path)
         self._counts[path] = counts
 
+        # the (temb, table, stream shape) whose modulation layout was last checked (the same temb object serves
+        # every block of a forward; held, so its identity cannot be reused by another tensor)
+        checked: list[Any] = [None, None, None]
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def forward(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                         rotary_emb: torch.Tensor) -> torch.Tensor:
                 table = block.scale_shift_table
-                reason = stream_reason(hidden_states, self.min_tokens) or modulation_reason(
-                    hidden_states, table[0], temb)
+                reason = stream_reason(hidden_states, self.min_tokens)
+                if reason is None and not (temb is checked[0] and table is checked[1]
+                                           and hidden_states.shape == checked[2]):
+                    reason = modulation_reason(hidden_states, table[0], temb)
+                    checked[:] = (temb, table, hidden_states.shape) if reason is None else (None, None, None)
                 if reason is not None:
                     self.carry.clear()
                     self.counters.fallback(path, reason)
@@ -217,14 +226,21 @@ class WanFusedSelfAttnProcessor:
 
     def _rotary(self, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         runtime = self.runtime
+        checked = runtime.rotary_checked
         if torch.is_grad_enabled():
             reason = REASON_GRAD
+        elif (checked is not None and type(rotary_emb) is tuple and len(rotary_emb) == 2
+              and rotary_emb[0] is checked[0] and rotary_emb[1] is checked[1] and query.shape == checked[2]
+              and key.shape == checked[2] and query.dtype == checked[3] and query.device == checked[4]):
+            reason = unavailable_reason(query)  # the very (cos, sin) pair and Q/K geometry checked before
         else:
             reason = unavailable_reason(query) or rotary_reason(query, rotary_emb)
             if reason is None and key.shape != query.shape:
                 reason = "key and query shapes differ"
             if reason is None and query.shape[1] < runtime.min_tokens:
                 reason = REASON_TOKENS
+            if reason is None and type(rotary_emb) is tuple:
+                runtime.rotary_checked = (rotary_emb[0], rotary_emb[1], query.shape, query.dtype, query.device)
         if reason is None:
             counts = self.counts
             rid = current_request_id()
