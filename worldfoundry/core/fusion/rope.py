@@ -183,10 +183,6 @@ _PLANS: dict[tuple, tuple] = {}
 _MAX_PLANS: Final = 512
 
 
-def _geometry(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.dtype, t.shape, t.stride())
-
-
 def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) -> tuple:
     bsz, s, h, d = q.shape
     rows = bsz * s * h
@@ -211,9 +207,10 @@ def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) ->
 
 def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
             index_limit=INT32_MAX) -> None:
-    key = (_geometry(q), _geometry(k), _geometry(cos), _geometry(sin), _geometry(qo), _geometry(ko),
-           _geometry(relu_q), _geometry(relu_k), _geometry(qf), _geometry(kf), _geometry(v), _geometry(vf),
-           index_limit)
+    # the outputs are allocated from q/k/v by the callers (``empty_like``), so the inputs' geometry decides theirs
+    key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
+           sin.dtype, sin.shape, sin.stride(), qo.dtype, qo.stride(), ko.stride(), relu_q is not None,
+           qf is not None, None if v is None else (v.dtype, v.stride()), index_limit)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit)
