@@ -175,6 +175,8 @@ def plugin_variant(key: str, make_model: Callable[[], nn.Module], spec: dict[str
                        "fallbacks": rec.get("fallbacks"), "claimed_not_executed": rec.get("claimed_not_executed")}
     result[key] = entry
     result["_keep"].append((model, session))
+    if "cuda_graph" in spec:
+        result.setdefault("_graphs", {})[key] = session
     return caller(model, inputs, "timed")
 
 
@@ -268,6 +270,13 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
         traceback.print_exc()
     finally:
         gc.unfreeze()
+    for key, session in result.pop("_graphs", {}).items():  # the timed calls replayed (captures stay at one)
+        try:
+            graph = session.execution_report()["plugins"]["cuda_graph"]["model"]
+            result[key]["graph_totals"] = graph["graphs"]["totals"]
+            result[key]["timed_request"] = graph["requests"].get("timed", {}).get("modules")
+        except Exception as exc:
+            result["errors"][f"graph_report_{key}"] = f"{type(exc).__name__}: {exc}"
     for model, session in result.pop("_keep"):
         if session is not None:
             session.uninstall()
@@ -336,6 +345,10 @@ def main() -> None:
         if isinstance(r, dict) and "block_fusion" in r:
             print(f"{label} block_fusion receipts: fallbacks={r['block_fusion']['fallbacks']} "
                   f"not_executed={r['block_fusion']['claimed_not_executed']}")
+        for key in ("cuda_graph", "block_fusion+cuda_graph"):
+            if isinstance(r, dict) and key in r:
+                print(f"{label} {key}: graph totals {r[key].get('graph_totals')} timed request "
+                      f"{r[key].get('timed_request')}")
     for label, r in results.items():
         for key, rows in (r.get("top_kernels") or {}).items() if isinstance(r, dict) else ():
             print(f"{label} {key} top CUDA kernels (count, ms per forward):")
