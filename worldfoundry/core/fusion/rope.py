@@ -88,8 +88,9 @@ if TRITON_AVAILABLE:
                 tl.store(rb + (2 * pb + 1) * r_d, x2, mask=mask)
         even, odd = _rotate_pair(x1, x2, c, s, COMPUTE, SOFTWARE_ROUNDING)
         ob = o_ptr + bb * o_b + sb * o_s + hb * o_h
-        store_rounded(ob + (2 * pb) * o_d, even, mask, OUT_BF16, SOFTWARE_ROUNDING)
-        store_rounded(ob + (2 * pb + 1) * o_d, odd, mask, OUT_BF16, SOFTWARE_ROUNDING)
+        if not WRITE_F32:  # where the float32 copy is written, the rounded rotated tensor itself is not needed
+            store_rounded(ob + (2 * pb) * o_d, even, mask, OUT_BF16, SOFTWARE_ROUNDING)
+            store_rounded(ob + (2 * pb + 1) * o_d, odd, mask, OUT_BF16, SOFTWARE_ROUNDING)
         if WRITE_F32:  # the float32 value of the rounded output (eager: .float() after the copy)
             if OUT_BF16:
                 even = round_bf16(even, SOFTWARE_ROUNDING)
@@ -199,7 +200,7 @@ def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) ->
             *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
             *(v.stride() if v is not None else zero4), f_b, f_s, f_d)
     kwargs = dict(COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
-                  OUT_BF16=qo.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
+                  OUT_BF16=q.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
                   BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
     grid = (-(-rows // block_r),)  # plain ints: triton.cdiv is a slow constexpr function
     return _rope_kernel[grid], ints, kwargs
@@ -276,15 +277,16 @@ def sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor |
         ValueError: ``value``'s layout differs from the rotated outputs' layout.
     """
     rq, rk = torch.empty_like(query), torch.empty_like(key)
-    qo, ko = torch.empty_like(rq), torch.empty_like(rk)
-    qf = torch.empty_like(qo, dtype=torch.float32)
-    kf = torch.empty_like(ko, dtype=torch.float32)
+    # eager's rotated tensors are ``empty_like(relu(x))`` (the layout of rq/rk); only their float32 copies are used,
+    # so the kernel writes those alone (with that layout), not the rounded rotated tensors themselves
+    qf = torch.empty_like(rq, dtype=torch.float32)
+    kf = torch.empty_like(rk, dtype=torch.float32)
     vf = None
     if value is not None:
         vf = torch.empty_like(value, dtype=torch.float32)
         if vf.stride() != qf.stride() or value.shape != query.shape:
             raise ValueError("value and query layouts differ; cast value separately")
-    _launch(query, key, freqs_cos, freqs_sin, qo, ko, relu_q=rq, relu_k=rk, qf=qf, kf=kf, v=value, vf=vf,
+    _launch(query, key, freqs_cos, freqs_sin, qf, kf, relu_q=rq, relu_k=rk, qf=qf, kf=kf, v=value, vf=vf,
             index_limit=index_limit)
     return rq, rk, qf, kf, vf
 
