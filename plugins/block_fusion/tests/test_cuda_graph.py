@@ -29,14 +29,15 @@ def _registry(kit: Any, backend: Any) -> Any:
     return reg
 
 
-def _drive(kit: Any, model: torch.nn.Module, request_id: str) -> list[torch.Tensor]:
+def _drive(kit: Any, model: torch.nn.Module, request_id: str, family: str = "wan") -> list[torch.Tensor]:
     """One request: STEPS steps x two CFG branches with fixed per-step latents."""
     guard = get_request_guard(model) or attach_request_guard(model)
-    prompts = {"cond": kit.wan_inputs(seed=1), "uncond": kit.wan_inputs(seed=2)}
+    make = kit.wan_inputs if family == "wan" else kit.sana_inputs
+    prompts = {"cond": make(seed=1), "uncond": make(seed=2)}
     outs = []
     with guard.request(request_id):
         for step in range(STEPS):
-            latents = kit.wan_inputs(seed=10 + step)["hidden_states"]
+            latents = make(seed=10 + step)["hidden_states"]
             for branch, inputs in prompts.items():
                 t = 900 - 300 * step
                 ctx = RequestContext(request_id, branch, step, float(t), None, STEPS)
@@ -46,16 +47,17 @@ def _drive(kit: Any, model: torch.nn.Module, request_id: str) -> list[torch.Tens
     return outs
 
 
-def _check_stack(kit: Any, backend: Any) -> None:
-    model = kit.build_wan()
+def _check_stack(kit: Any, backend: Any, family: str = "wan") -> None:
+    name = NAME if family == "wan" else "sana_block_fusion"
+    model = kit.build_wan() if family == "wan" else kit.build_sana()
     reg = _registry(kit, backend)
-    session = install_diffusion_accelerations(model, {NAME: {}}, registry=reg)
-    reference = _drive(kit, model, "eager")
-    expected = session.execution_report()["plugins"][NAME]["model"]["requests"]["eager"]
+    session = install_diffusion_accelerations(model, {name: {}}, registry=reg)
+    reference = _drive(kit, model, "eager", family)
+    expected = session.execution_report()["plugins"][name]["model"]["requests"]["eager"]
     session.uninstall()
-    session = install_diffusion_accelerations(model, {NAME: {}, "cuda_graph": True}, registry=reg)
-    first = _drive(kit, model, "g1")
-    second = _drive(kit, model, "g2")
+    session = install_diffusion_accelerations(model, {name: {}, "cuda_graph": True}, registry=reg)
+    first = _drive(kit, model, "g1", family)
+    second = _drive(kit, model, "g2", family)
     report = session.execution_report()["plugins"]
     session.uninstall()
     for got in (first, second):
@@ -65,17 +67,22 @@ def _check_stack(kit: Any, backend: Any) -> None:
     assert graph["graphs"]["totals"]["captures"] == 1
     assert graph["graphs"]["totals"]["replay_divergences"] == 0
     assert graph["requests"]["g2"]["modules"]["<root>"] == {"replay": 2 * STEPS}
-    assert expected["fallbacks"] == {} and expected["counters"]["gated_residual"] == 2 * 2 * 2 * STEPS
-    for rid in ("g1", "g2"):  # every replayed fused call is counted for the request that replayed it
-        got = report[NAME]["model"]["requests"][rid]
+    if family == "wan":
+        assert expected["fallbacks"] == {} and expected["counters"]["gated_residual"] == 2 * 2 * 2 * STEPS
+    else:  # the first block's first residual reads the patch embedding's transposed view: counted, every call
+        assert sum(expected["fallbacks"].values()) == 2 * STEPS
+        assert expected["counters"]["linear_attention"] == 2 * 2 * STEPS
+    for rid in ("g1", "g2"):  # every replayed fused call (and fallback) is counted for the request that replayed it
+        got = report[name]["model"]["requests"][rid]
         assert got["modules"] == expected["modules"], rid
         assert got["counters"] == expected["counters"], rid
         assert got["fallbacks"] == expected["fallbacks"] and got["claimed_not_executed"] == []
 
 
 @pytest.mark.usefixtures("kernels")
-def test_replay_executor_is_bitwise_and_counts_like_eager(kit: Any) -> None:
-    _check_stack(kit, EagerReplayBackend)
+@pytest.mark.parametrize("family", ["wan", "sana"])
+def test_replay_executor_is_bitwise_and_counts_like_eager(kit: Any, family: str) -> None:
+    _check_stack(kit, EagerReplayBackend, family)
 
 
 @pytest.mark.gpu
@@ -84,4 +91,5 @@ def test_cuda_graph_replay_is_bitwise_block_fusion_eager(kit: Any, monkeypatch: 
     import sys
 
     monkeypatch.setattr(sys.modules[kit.__name__], "DEVICE", torch.device("cuda"))
-    _check_stack(kit, CudaGraphBackend)
+    _check_stack(kit, CudaGraphBackend, "wan")
+    _check_stack(kit, CudaGraphBackend, "sana")
