@@ -85,15 +85,15 @@ class SanaBlockRuntime:
                 rid = current_request_id()
                 if rid != counts.rid:
                     self.counters.switch(counts, rid)
-                return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states, encoder_attention_mask,
-                                          emb, frames, height, width, rotary_emb)
+                return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states,
+                                          encoder_attention_mask, emb, frames, height, width, rotary_emb)
 
             return forward
 
         return make
 
-    def block_forward(self, block: nn.Module, path: str, counts: list[int], x: torch.Tensor, encoder_hidden_states: torch.Tensor | None,
-                      encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,
+    def block_forward(self, block: nn.Module, path: str, counts: list[int], x: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,
                       width: int, rotary_emb: Any) -> torch.Tensor:
         """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed)."""
         table = block.scale_shift_table
