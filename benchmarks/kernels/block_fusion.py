@@ -11,7 +11,11 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
 * first call: seconds of the first forward after install (Triton compiles the kernels then; the on-disk Triton
   cache is pointed at an empty directory so the figure is a cold start);
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
-* interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios.
+* interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
+* Wan: ``cuda_graph`` alone and ``block_fusion+cuda_graph`` (the forward replayed from one CUDA graph; bitwise
+  vs eager, block fusion receipts counted per replay; W17 goal of the stack >= 1.8x);
+* SANA-Video: each chain alone (``sana:<chain>``) and the CUDA kernels taking the most time in eager and with
+  block fusion (``top_kernels``), to show which chain costs or gains what.
 
 A part that fails is reported with its error and the rest still runs. The table is printed last; the full result
 is written to ``$OUT/block_fusion.json`` (default ``./bench_out``).
@@ -60,6 +64,8 @@ SANA_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, nu
                   cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32, sample_size=8,
                   rope_max_seq_len=64)
 GOALS = {"W17": 1.35, "W81": 1.15, "SANA480p": 1.15}
+STACK_GOALS = {"W17": 1.8}
+SANA_CHAINS = ("modulate", "gated_residual", "cross_residual", "linear_attention")
 FIRST_CALL_GOAL_S = 3.0
 
 
@@ -69,6 +75,12 @@ def registry() -> AccelerationRegistry:
     reg = AccelerationRegistry(discover=False)
     reg.register("wan_block_fusion", wan_plugin.prepare)
     reg.register("sana_block_fusion", sana_plugin.prepare)
+    try:
+        from worldfoundry_cuda_graph.plugin import prepare as cuda_graph
+
+        reg.register("cuda_graph", cuda_graph)
+    except ImportError:  # the variants that need it report the error
+        pass
     return reg
 
 
@@ -145,6 +157,45 @@ def fusion_variant(make_model: Callable[[], nn.Module], name: str, inputs: dict[
     return caller(model, inputs, "timed")
 
 
+def plugin_variant(key: str, make_model: Callable[[], nn.Module], spec: dict[str, Any], inputs: dict[str, Any],
+                   reference: torch.Tensor, device: torch.device, result: dict[str, Any]) -> Callable[[], Any]:
+    """Another stack (``cuda_graph``, ``block_fusion+cuda_graph``, one SANA chain): bitwise check and receipts."""
+    model = make_model()
+    session = install_diffusion_accelerations(model, spec, registry=registry())
+    call = caller(model, inputs, "first")
+    first, first_s = timed(call, device)
+    outs = [call() for _ in range(3)]  # the graph variants warm up and capture here, then replay
+    sync(device)
+    report = session.execution_report()["plugins"]
+    entry: dict[str, Any] = {"first_call_s": round(first_s, 3),
+                             "bitwise_vs_eager": bool(all(torch.equal(o, reference) for o in [first, *outs]))}
+    for name in spec:
+        rec = report[name]["model"]["requests"].get("first", {})
+        entry[name] = {"counters": rec.get("counters"), "modules_executed": len(rec.get("modules", {})),
+                       "fallbacks": rec.get("fallbacks"), "claimed_not_executed": rec.get("claimed_not_executed")}
+    result[key] = entry
+    result["_keep"].append((model, session))
+    if "cuda_graph" in spec:
+        result.setdefault("_graphs", {})[key] = session
+    return caller(model, inputs, "timed")
+
+
+def top_kernels(fn: Callable[[], Any], device: torch.device, n: int = 12) -> list[tuple[str, int, float]] | None:
+    """The ``n`` CUDA kernels of one forward with the most device time: ``(name, count, total ms)``."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    rows = [(e.key[:90], e.count, e.device_time_total / 1e3) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(rows, key=lambda r: -r[2])[:n]
+
+
 def compile_variant(make_model: Callable[[], nn.Module], inputs: dict[str, Any], reference: torch.Tensor, device: torch.device,
                     result: dict[str, Any]) -> Callable[[], Any]:
     model = make_model()
@@ -174,10 +225,21 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
     _, steady_s = timed(eager, device)
     calls: dict[str, Callable[[], Any]] = {"eager": eager}
     name = "wan_block_fusion" if family == "wan" else "sana_block_fusion"
-    for key, make in (("block_fusion", lambda: fusion_variant(make_model, name, inputs, reference, device, result)),
-                      ("compile", lambda: compile_variant(make_model, inputs, reference, device, result))):
-        if key == "compile" and not with_compile:
-            continue
+    variants: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
+        ("block_fusion", lambda: fusion_variant(make_model, name, inputs, reference, device, result))]
+    if family == "wan" and (device.type == "cuda" or args.smoke):  # smoke: the CPU runs them eagerly (visible)
+        for key, spec in (("cuda_graph", {"cuda_graph": True}),
+                          ("block_fusion+cuda_graph", {name: {}, "cuda_graph": True})):
+            variants.append((key, lambda key=key, spec=spec: plugin_variant(key, make_model, spec, inputs, reference,
+                                                                            device, result)))
+    if family == "sana" and args.sana_chains:
+        for chain in SANA_CHAINS:
+            key = f"sana:{chain}"
+            variants.append((key, lambda key=key, chain=chain: plugin_variant(
+                key, make_model, {name: {"chains": [chain]}}, inputs, reference, device, result)))
+    if with_compile:
+        variants.append(("compile", lambda: compile_variant(make_model, inputs, reference, device, result)))
+    for key, make in variants:
         try:
             calls[key] = make()
         except Exception as exc:  # one failing part must not stop the others
@@ -189,6 +251,13 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
                 result.setdefault("kernels_per_forward", {})[key] = kernels_per_forward(calls[key], device)
             except Exception as exc:
                 result["errors"][f"profile_{key}"] = f"{type(exc).__name__}: {exc}"
+    if family == "sana":
+        for key in ("eager", "block_fusion"):
+            if key in calls:
+                try:
+                    result.setdefault("top_kernels", {})[key] = top_kernels(calls[key], device)
+                except Exception as exc:
+                    result["errors"][f"top_kernels_{key}"] = f"{type(exc).__name__}: {exc}"
     iters = max(1, int(round(args.target_ms / max(steady_s * 1e3, 1.0))))
     result["iters_per_sample"] = min(iters, 20)
     gc.collect()
@@ -201,6 +270,13 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
         traceback.print_exc()
     finally:
         gc.unfreeze()
+    for key, session in result.pop("_graphs", {}).items():  # the timed calls replayed (captures stay at one)
+        try:
+            graph = session.execution_report()["plugins"]["cuda_graph"]["model"]
+            result[key]["graph_totals"] = graph["graphs"]["totals"]
+            result[key]["timed_request"] = graph["requests"].get("timed", {}).get("modules")
+        except Exception as exc:
+            result["errors"][f"graph_report_{key}"] = f"{type(exc).__name__}: {exc}"
     for model, session in result.pop("_keep"):
         if session is not None:
             session.uninstall()
@@ -220,11 +296,13 @@ def table(results: dict[str, Any]) -> str:
             continue
         for key, t in r["timing"].items():
             extra = r.get(key, {})
-            bitwise = {"eager": "-", "block_fusion": extra.get("bitwise_vs_eager"),
-                       "compile": f"rel L2 {extra.get('rel_l2_vs_eager', float('nan')):.3g}"}.get(key)
-            first = (round(r["eager_first_call_s"], 2) if key == "eager" else extra.get("first_call_s")
-                     if key == "block_fusion" else f"warm-up {extra.get('warmup_first_two_calls_s')}")
-            goal = f">= {GOALS.get(label)}" if key == "block_fusion" else ""
+            bitwise = ("-" if key == "eager" else f"rel L2 {extra.get('rel_l2_vs_eager', float('nan')):.3g}"
+                       if key == "compile" else extra.get("bitwise_vs_eager"))
+            first = (round(r["eager_first_call_s"], 2) if key == "eager" else
+                     f"warm-up {extra.get('warmup_first_two_calls_s')}" if key == "compile" else
+                     extra.get("first_call_s"))
+            goal = (f">= {GOALS.get(label)}" if key == "block_fusion" else
+                    f">= {STACK_GOALS[label]}" if key == "block_fusion+cuda_graph" and label in STACK_GOALS else "")
             kernels = r.get("kernels_per_forward", {}).get(key, "")
             lines.append(f"| {label} | {key} | {t['median_ms']:.2f} | {t['speedup_vs_eager']:.3f} "
                          f"({t['paired_speedup_median']:.3f}) | {goal} | {bitwise} | {first} | {kernels} |")
@@ -239,6 +317,8 @@ def main() -> None:
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile regional anchor")
     p.add_argument("--compile-w81", action="store_true", help="also compile at W81 (long warm-up)")
     p.add_argument("--workloads", default="W17,W81,SANA480p", help="comma-separated subset")
+    p.add_argument("--no-sana-chains", dest="sana_chains", action="store_false",
+                   help="skip the SANA-Video one-chain variants")
     p.add_argument("--smoke", action="store_true", help="tiny models and latents on the CPU (TRITON_INTERPRET=1)")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -265,6 +345,15 @@ def main() -> None:
         if isinstance(r, dict) and "block_fusion" in r:
             print(f"{label} block_fusion receipts: fallbacks={r['block_fusion']['fallbacks']} "
                   f"not_executed={r['block_fusion']['claimed_not_executed']}")
+        for key in ("cuda_graph", "block_fusion+cuda_graph"):
+            if isinstance(r, dict) and key in r:
+                print(f"{label} {key}: graph totals {r[key].get('graph_totals')} timed request "
+                      f"{r[key].get('timed_request')}")
+    for label, r in results.items():
+        for key, rows in (r.get("top_kernels") or {}).items() if isinstance(r, dict) else ():
+            print(f"{label} {key} top CUDA kernels (count, ms per forward):")
+            for kname, count, ms in rows or ():
+                print(f"    {ms:8.2f} ms  x{count:<5d} {kname}")
     print(f"wrote {out / 'block_fusion.json'}")
     print(table(results))
 

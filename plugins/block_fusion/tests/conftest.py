@@ -1,4 +1,9 @@
-"""Tiny Wan / SANA-Video models, their inputs, and a registry of the plugins block fusion composes with."""
+"""Tiny Wan / SANA-Video models, their inputs, and a registry of the plugins block fusion composes with.
+
+The models run where the kernels can run: on CUDA when it is present and Triton's interpreter is off (the GPU
+machine), on the CPU under ``TRITON_INTERPRET=1`` (CI). Elsewhere the kernel tests skip with the reason; the
+CPU fallback without the interpreter is tested explicitly (``device="cpu"``).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 
+#: Where the builders put models and inputs by default (set by the ``kernels`` fixture).
+DEVICE = torch.device("cpu")
+
 WAN_TINY = dict(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32,
                 freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64)
 SANA_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
@@ -19,16 +27,40 @@ SANA_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attenti
                  patch_size=(1, 2, 2), sample_size=8, rope_max_seq_len=64)
 
 
-def build_wan(dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: Any) -> nn.Module:
+def kernel_device() -> tuple[torch.device | None, str]:
+    """Where the fusion kernels run in this process, and why not when they cannot (``(None, reason)``)."""
+    from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
+
+    if not TRITON_AVAILABLE:
+        return None, "triton is not importable"
+    if interpreter_enabled():
+        return torch.device("cpu"), "Triton's interpreter runs the kernels on CPU tensors"
+    if torch.cuda.is_available():
+        return torch.device("cuda"), "CUDA"
+    return None, "no CUDA and TRITON_INTERPRET is not set (set TRITON_INTERPRET=1 to test on the CPU)"
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else DEVICE
+
+
+def _on(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+
+def build_wan(dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: torch.device | str | None = None,
+              **overrides: Any) -> nn.Module:
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     model = WanTransformer3DModel(**{**WAN_TINY, **overrides}).eval()
-    return apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+    model = apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+    return model.to(_device(device))
 
 
 def wan_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1, *, text_tokens: int = 24, frames: int = 2,
-               image_tokens: int = 0, timestep: torch.Tensor | None = None) -> dict[str, Any]:
+               image_tokens: int = 0, timestep: torch.Tensor | None = None,
+               device: torch.device | str | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {
         "hidden_states": torch.randn(1, 16, frames, 8, 8, generator=g).to(dtype),
@@ -38,21 +70,25 @@ def wan_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1, *, text_token
     }
     if image_tokens:
         inputs["encoder_hidden_states_image"] = torch.randn(1, image_tokens, 32, generator=g).to(dtype)
-    return inputs
+    return _on(inputs, _device(device))
 
 
-def build_sana(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+def build_sana(dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: torch.device | str | None = None
+               ) -> nn.Module:
     from diffusers import SanaVideoTransformer3DModel
 
     torch.manual_seed(seed)
     model = SanaVideoTransformer3DModel(**SANA_TINY).eval()
-    return apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+    model = apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
+    return model.to(_device(device))
 
 
-def sana_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> dict[str, Any]:
+def sana_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1,
+                device: torch.device | str | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    return {"hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype), "timestep": torch.tensor([500]),
-            "encoder_hidden_states": torch.randn(1, 12, 32, generator=g).to(dtype), "return_dict": False}
+    inputs = {"hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype), "timestep": torch.tensor([500]),
+              "encoder_hidden_states": torch.randn(1, 12, 32, generator=g).to(dtype), "return_dict": False}
+    return _on(inputs, _device(device))
 
 
 def run(model: nn.Module, inputs: dict[str, Any], request_id: str | None = None) -> torch.Tensor:
@@ -110,12 +146,18 @@ def assert_same_structure(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Skip unless the kernels can run here (CUDA, or Triton's interpreter on the CPU)."""
-    from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
+def kernels(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The device the kernels run on here (CUDA, or the CPU under Triton's interpreter); skip where neither.
 
-    if not TRITON_AVAILABLE or not (interpreter_enabled() or torch.cuda.is_available()):
-        pytest.skip("needs triton (TRITON_INTERPRET=1 on the CPU)")
+    The builders of this module put models and inputs there by default while the test runs.
+    """
+    import sys
+
+    device, reason = kernel_device()
+    if device is None:
+        pytest.skip(f"the fusion kernels cannot run here: {reason}")
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", device)
+    return device
 
 
 @pytest.fixture

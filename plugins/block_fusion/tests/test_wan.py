@@ -107,8 +107,8 @@ def test_i2v_and_per_token_timesteps_are_bitwise() -> None:
 
 
 def test_cpu_without_the_interpreter_falls_back_visibly(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = build_wan(num_layers=1)
-    inputs = wan_inputs()
+    model = build_wan(num_layers=1, device="cpu")
+    inputs = wan_inputs(device="cpu")
     dense = run(model, inputs)
     session = install(model)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

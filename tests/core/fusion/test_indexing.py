@@ -38,7 +38,7 @@ def test_gpu_strided_operands_reaching_past_int32() -> None:
     """A [1, 64, 1536] view whose rows are spread over a 2.2e9-element buffer: offsets need 64 bits."""
     from worldfoundry.core.fusion import adaln, rope
 
-    c, rows = 1536, 1_400_000
+    c, rows = 1536, 1_450_000  # 63 * (rows // 64) * c + c = 2,192,377,344 reachable elements > 2**31 - 1
     big = torch.randn(rows, c, device="cuda", dtype=torch.bfloat16)
     step = rows // 64
     y = big[::step][:64].unsqueeze(0)

@@ -139,32 +139,62 @@ def _emb4(emb: torch.Tensor) -> torch.Tensor:
     return emb.unsqueeze(1) if emb.dim() == 3 else emb
 
 
-def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor | None, table: torch.Tensor | None,
-            emb: torch.Tensor | None, k0: int, k1: int, precision: str, with_float: bool,
-            index_limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+#: Launch plans by operand geometry (shapes, strides, dtypes, flags): grid, integer arguments and constexprs are
+#: computed once per geometry, so a call only allocates its outputs and launches.
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS: Final = 512
+
+
+def _plan(key: tuple, mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor | None,
+          table: torch.Tensor | None, emb: torch.Tensor | None, precision: str, with_float: bool,
+          index_limit: int) -> tuple:
+    """``(grid, integer arguments, keyword arguments)`` of one geometry (see :data:`_PLANS`)."""
     bsz, s, c = a.shape
-    out = torch.empty(a.shape, dtype=out_dtype, device=a.device)
-    out32 = torch.empty(a.shape, dtype=torch.float32, device=a.device) if with_float else out
     if table is not None:
         e4 = _emb4(emb)
         t_k, t_c = table.stride()
         e_b, e_s, e_k, e_c = e4.stride()
         if e4.shape[1] == 1:
             e_s = 0
-        wide = needs_int64(a, b, out, table, e4, extra=a.numel(), limit=index_limit)
+        wide = needs_int64(a, b, table, e4, extra=a.numel(), limit=index_limit)
     else:
-        table = emb = a
         t_k = t_c = e_b = e_s = e_k = e_c = 0
-        wide = needs_int64(a, b, out, extra=a.numel(), limit=index_limit)
+        wide = needs_int64(a, b, extra=a.numel(), limit=index_limit)
     y_b, y_s, y_c = b.stride() if b is not None else (0, 0, 0)
     block_r, block_c = _blocks(c)
     rows = bsz * s
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
-    _adaln_kernel[grid](
-        out, out32, a, a if b is None else b, table, emb, rows, s, c, y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c,
-        k0, k1, MODE=mode, ROW_UNIFORM=e_s == 0 and s % block_r == 0, PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
-        WRITE_F32=with_float, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r,
-        BLOCK_C=block_c, **launch_options())
+    grid = (-(-rows // block_r), -(-c // block_c))  # plain ints: triton.cdiv is a slow constexpr function
+    ints = (rows, s, c, y_b, y_s, y_c, t_k, t_c, e_b, e_s, e_k, e_c)
+    kwargs = dict(MODE=mode, ROW_UNIFORM=e_s == 0 and s % block_r == 0,
+                  PER_OP=precision == "per_op" and out_dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+                  WRITE_F32=with_float, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r,
+                  BLOCK_C=block_c, **launch_options())
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = (_adaln_kernel[grid], ints, kwargs)
+    _PLANS[key] = plan
+    return plan
+
+
+def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor | None, table: torch.Tensor | None,
+            emb: torch.Tensor | None, k0: int, k1: int, precision: str, with_float: bool,
+            index_limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # ``a`` is contiguous (every caller checks) and the output is allocated like it, so its shape is its geometry;
+    # the interpreter flag is read when a plan is made (a process does not switch it for CUDA tensors)
+    if table is None:
+        key = (mode, out_dtype, a.dtype, a.shape, b.dtype, b.stride(), with_float, index_limit)
+    else:
+        key = (mode, out_dtype, a.dtype, a.shape, None if b is None else (b.dtype, b.stride()), table.dtype,
+               table.stride(), emb.dtype, emb.shape, emb.stride(), precision, with_float, index_limit)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(key, mode, out_dtype, a, b, table, emb, precision, with_float, index_limit)
+    launcher, ints, kwargs = plan
+    out = torch.empty(a.shape, dtype=out_dtype, device=a.device)
+    out32 = torch.empty(a.shape, dtype=torch.float32, device=a.device) if with_float else out
+    if table is None:
+        table = emb = a
+    launcher(out, out32, a, a if b is None else b, table, emb, *ints, k0, k1, **kwargs)
     return out, (out32 if with_float else None)
 
 

@@ -88,8 +88,9 @@ if TRITON_AVAILABLE:
                 tl.store(rb + (2 * pb + 1) * r_d, x2, mask=mask)
         even, odd = _rotate_pair(x1, x2, c, s, COMPUTE, SOFTWARE_ROUNDING)
         ob = o_ptr + bb * o_b + sb * o_s + hb * o_h
-        store_rounded(ob + (2 * pb) * o_d, even, mask, OUT_BF16, SOFTWARE_ROUNDING)
-        store_rounded(ob + (2 * pb + 1) * o_d, odd, mask, OUT_BF16, SOFTWARE_ROUNDING)
+        if not WRITE_F32:  # where the float32 copy is written, the rounded rotated tensor itself is not needed
+            store_rounded(ob + (2 * pb) * o_d, even, mask, OUT_BF16, SOFTWARE_ROUNDING)
+            store_rounded(ob + (2 * pb + 1) * o_d, odd, mask, OUT_BF16, SOFTWARE_ROUNDING)
         if WRITE_F32:  # the float32 value of the rounded output (eager: .float() after the copy)
             if OUT_BF16:
                 even = round_bf16(even, SOFTWARE_ROUNDING)
@@ -178,8 +179,12 @@ def compute_mode(x: torch.Tensor, freqs: torch.Tensor) -> int:
     return modes[dtype]
 
 
-def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
-            index_limit=INT32_MAX) -> None:
+#: Launch plans by operand geometry (as in :mod:`~worldfoundry.core.fusion.adaln`).
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS: Final = 512
+
+
+def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) -> tuple:
     bsz, s, h, d = q.shape
     rows = bsz * s * h
     pairs = d // 2
@@ -191,15 +196,32 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
         raise ValueError("freqs_cos and freqs_sin differ in shape or strides; use the reference")
     wide = needs_int64(q, k, qo, ko, cos, sin, relu_q, relu_k, qf, kf, v, vf, extra=q.numel(), limit=index_limit)
     zero4 = (0, 0, 0, 0)
-    _rope_kernel[(triton.cdiv(rows, block_r),)](
-        q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
-        kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo, rows, s, h, pairs,
-        *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),
-        *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
-        *(v.stride() if v is not None else zero4), f_b, f_s, f_d,
-        COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
-        OUT_BF16=qo.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
-        BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
+    ints = (rows, s, h, pairs, *q.stride(), *k.stride(), *qo.stride(), *ko.stride(),
+            *(relu_q.stride() if relu else zero4), *(relu_k.stride() if relu else zero4),
+            *(v.stride() if v is not None else zero4), f_b, f_s, f_d)
+    kwargs = dict(COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
+                  OUT_BF16=q.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
+                  BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
+    grid = (-(-rows // block_r),)  # plain ints: triton.cdiv is a slow constexpr function
+    return _rope_kernel[grid], ints, kwargs
+
+
+def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
+            index_limit=INT32_MAX) -> None:
+    # the outputs are allocated from q/k/v by the callers (``empty_like``), so the inputs' geometry decides theirs
+    key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
+           sin.dtype, sin.shape, sin.stride(), qo.dtype, qo.stride(), ko.stride(), relu_q is not None,
+           qf is not None, None if v is None else (v.dtype, v.stride()), index_limit)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    launcher, ints, kwargs = plan
+    relu = relu_q is not None
+    launcher(q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
+             kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo, *ints, **kwargs)
 
 
 def rope_qk(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
@@ -255,15 +277,16 @@ def sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor |
         ValueError: ``value``'s layout differs from the rotated outputs' layout.
     """
     rq, rk = torch.empty_like(query), torch.empty_like(key)
-    qo, ko = torch.empty_like(rq), torch.empty_like(rk)
-    qf = torch.empty_like(qo, dtype=torch.float32)
-    kf = torch.empty_like(ko, dtype=torch.float32)
+    # eager's rotated tensors are ``empty_like(relu(x))`` (the layout of rq/rk); only their float32 copies are used,
+    # so the kernel writes those alone (with that layout), not the rounded rotated tensors themselves
+    qf = torch.empty_like(rq, dtype=torch.float32)
+    kf = torch.empty_like(rk, dtype=torch.float32)
     vf = None
     if value is not None:
         vf = torch.empty_like(value, dtype=torch.float32)
         if vf.stride() != qf.stride() or value.shape != query.shape:
             raise ValueError("value and query layouts differ; cast value separately")
-    _launch(query, key, freqs_cos, freqs_sin, qo, ko, relu_q=rq, relu_k=rk, qf=qf, kf=kf, v=value, vf=vf,
+    _launch(query, key, freqs_cos, freqs_sin, qf, kf, relu_q=rq, relu_k=rk, qf=qf, kf=kf, v=value, vf=vf,
             index_limit=index_limit)
     return rq, rk, qf, kf, vf
 
@@ -297,7 +320,7 @@ def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.d
     block_r = max(1, min(d, 4096 // block_n))
     block_r = 1 << (block_r.bit_length() - 1)
     wide = needs_int64(hidden, denom, out, extra=hidden.numel(), limit=index_limit)
-    grid = (triton.cdiv(d, block_r), triton.cdiv(n, block_n), bsz * h)
+    grid = (-(-d // block_r), -(-n // block_n), bsz * h)  # plain ints (triton.cdiv is slow)
     if denom.dtype not in (torch.bfloat16, torch.float32) or hidden.dtype != torch.float32:
         raise ValueError(f"sana_normalize needs a float32 hidden and a bfloat16/float32 denominator, got "
                          f"{hidden.dtype} / {denom.dtype}")

@@ -33,7 +33,14 @@ from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_ad
 from worldfoundry.core.fusion.rope import sana_normalize, sana_relu_rope
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import REASON_GRAD, modulation_reason, rotary_reason, stream_reason
-from worldfoundry_block_fusion.handle import FusionCounters
+from worldfoundry_block_fusion.handle import (
+    CROSS_RESIDUAL,
+    GATED_RESIDUAL,
+    LINEAR_ATTENTION,
+    MODULATE,
+    BlockCounts,
+    FusionCounters,
+)
 
 REASON_MIXED: Final = "operands of different dtypes"
 REASON_STRIDED: Final = "non-contiguous residual stream"
@@ -49,8 +56,12 @@ class SanaBlockRuntime:
         self.gate = "gated_residual" in chains
         self.cross = "cross_residual" in chains
         self.linear_attention = "linear_attention" in chains
+        self._counts: dict[str, BlockCounts] = {}
 
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        counts = self.counters.block(path)
+        self._counts[path] = counts
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         encoder_hidden_states: torch.Tensor | None = None,
@@ -71,18 +82,20 @@ class SanaBlockRuntime:
                     self.counters.fallback(path, reason)
                     return original(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                     timestep, frames, height, width, rotary_emb)
-                return self.block_forward(block, path, hidden_states, encoder_hidden_states, encoder_attention_mask,
-                                          emb, frames, height, width, rotary_emb)
+                rid = current_request_id()
+                if rid != counts.rid:
+                    self.counters.switch(counts, rid)
+                return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states,
+                                          encoder_attention_mask, emb, frames, height, width, rotary_emb)
 
             return forward
 
         return make
 
-    def block_forward(self, block: nn.Module, path: str, x: torch.Tensor, encoder_hidden_states: torch.Tensor | None,
-                      encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,
+    def block_forward(self, block: nn.Module, path: str, counts: list[int], x: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,
                       width: int, rotary_emb: Any) -> torch.Tensor:
         """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed)."""
-        rid = current_request_id()
         table = block.scale_shift_table
         mods: list[torch.Tensor] = []
 
@@ -93,31 +106,31 @@ class SanaBlockRuntime:
 
         # 2. self-attention
         n = block.norm1(x)
-        h = self._modulate(n, table, emb, 0, 1, eager_mods, path, rid).to(x.dtype)
+        h = self._modulate(n, table, emb, 0, 1, eager_mods, path, counts).to(x.dtype)
         attn = block.attn1(h, rotary_emb=rotary_emb)
-        x = self._gate(x, attn, table, emb, 2, eager_mods, path, rid)
+        x = self._gate(x, attn, table, emb, 2, eager_mods, path, counts)
         # 3. cross-attention
         if block.attn2 is not None:
             attn = block.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
             if self.cross and attn.is_contiguous() and attn.dtype == x.dtype and attn.shape == x.shape:
                 x = residual_add(attn, x)[0]
-                self.counters.fused(path, "cross_residual", rid)
+                counts[CROSS_RESIDUAL] += 1
             else:
                 if self.cross:
                     self.counters.fallback(path, "cross_residual: " + REASON_STRIDED)
                 x = attn + x
         # 4. feed-forward
         n = block.norm2(x)
-        h = self._modulate(n, table, emb, 3, 4, eager_mods, path, rid)
+        h = self._modulate(n, table, emb, 3, 4, eager_mods, path, counts)
         h = h.unflatten(1, (frames, height, width))
         ff = block.ff(h)
         ff = ff.flatten(1, 3)
-        return self._gate(x, ff, table, emb, 5, eager_mods, path, rid)
+        return self._gate(x, ff, table, emb, 5, eager_mods, path, counts)
 
     def _modulate(self, n: torch.Tensor, table: torch.Tensor, emb: torch.Tensor, k_shift: int, k_scale: int,
-                  eager_mods: Callable[[], list[torch.Tensor]], path: str, rid: str) -> torch.Tensor:
+                  eager_mods: Callable[[], list[torch.Tensor]], path: str, counts: list[int]) -> torch.Tensor:
         if self.modulate and n.is_contiguous() and n.dtype == table.dtype:
-            self.counters.fused(path, "modulate", rid)
+            counts[MODULATE] += 1
             return modulate(n, table, emb, k_shift, k_scale, out_dtype=n.dtype, precision="per_op")[0]
         if self.modulate:
             self.counters.fallback(path, "modulate: " + (REASON_MIXED if n.dtype != table.dtype else REASON_STRIDED))
@@ -125,9 +138,9 @@ class SanaBlockRuntime:
         return n * (1 + m[k_scale]) + m[k_shift]
 
     def _gate(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, emb: torch.Tensor, k: int,
-              eager_mods: Callable[[], list[torch.Tensor]], path: str, rid: str) -> torch.Tensor:
+              eager_mods: Callable[[], list[torch.Tensor]], path: str, counts: list[int]) -> torch.Tensor:
         if self.gate and x.is_contiguous() and y.dtype == x.dtype and y.shape == x.shape:
-            self.counters.fused(path, "gated_residual", rid)
+            counts[GATED_RESIDUAL] += 1
             return gated_residual(x, y, table, emb, k, precision="per_op")[0]
         if self.gate:
             self.counters.fallback(path, "gated_residual: " + (REASON_STRIDED if not x.is_contiguous()
@@ -146,6 +159,7 @@ class SanaFusedLinearAttnProcessor:
         self.original = original
         self.runtime = runtime
         self.path = path
+        self.counts = runtime._counts[path]
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +198,11 @@ class SanaFusedLinearAttnProcessor:
                                                                                          torch.float32)):
             hidden_states = sana_normalize(hidden_states, denom, original_dtype)
             hidden_states = hidden_states.flatten(1, 2).transpose(1, 2)
-            self.runtime.counters.fused(self.path, "linear_attention")
+            counts = self.counts
+            rid = current_request_id()
+            if rid != counts.rid:
+                self.runtime.counters.switch(counts, rid)
+            counts.counts[LINEAR_ATTENTION] += 1
         else:
             self.runtime.counters.fallback(self.path, "linear_attention: normalisation layout")
             hidden_states = (hidden_states * (1 / (denom + 1e-15))).flatten(1, 2).transpose(1, 2).to(original_dtype)

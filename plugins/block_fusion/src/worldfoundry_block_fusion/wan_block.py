@@ -40,7 +40,15 @@ from worldfoundry_block_fusion.eligibility import (
     rotary_reason,
     stream_reason,
 )
-from worldfoundry_block_fusion.handle import FusionCounters
+from worldfoundry_block_fusion.handle import (
+    CROSS_RESIDUAL,
+    FLOAT_CARRY,
+    GATED_RESIDUAL,
+    MODULATE,
+    ROPE,
+    BlockCounts,
+    FusionCounters,
+)
 
 
 class WanBlockRuntime:
@@ -58,46 +66,66 @@ class WanBlockRuntime:
         self.carry = FloatCarry()
         self._next = {id(block): (blocks[i + 1][1] if i + 1 < len(blocks) else None)
                       for i, (_, block) in enumerate(blocks)}
+        self._counts: dict[str, BlockCounts] = {}
+        #: (cos, sin, Q shape, dtype, device) last found eligible for the rotary kernel (held: identities stay unique)
+        self.rotary_checked: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ the block
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        counts = self.counters.block(path)
+        self._counts[path] = counts
+
+        # the (temb, table, stream shape) whose modulation layout was last checked (the same temb object serves
+        # every block of a forward; held, so its identity cannot be reused by another tensor)
+        checked: list[Any] = [None, None, None]
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def forward(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                         rotary_emb: torch.Tensor) -> torch.Tensor:
-                reason = stream_reason(hidden_states, self.min_tokens) or modulation_reason(
-                    hidden_states, block.scale_shift_table[0], temb)
+                table = block.scale_shift_table
+                reason = stream_reason(hidden_states, self.min_tokens)
+                if reason is None and not (temb is checked[0] and table is checked[1]
+                                           and hidden_states.shape == checked[2]):
+                    reason = modulation_reason(hidden_states, table[0], temb)
+                    checked[:] = (temb, table, hidden_states.shape) if reason is None else (None, None, None)
                 if reason is not None:
                     self.carry.clear()
                     self.counters.fallback(path, reason)
                     return original(hidden_states, encoder_hidden_states, temb, rotary_emb)
-                return self.block_forward(block, path, hidden_states, encoder_hidden_states, temb, rotary_emb)
+                rid = current_request_id()
+                if rid != counts.rid:
+                    self.counters.switch(counts, rid)
+                return self.block_forward(block, counts.counts, hidden_states, encoder_hidden_states, temb,
+                                          rotary_emb, table)
 
             return forward
 
         return make
 
-    def block_forward(self, block: nn.Module, path: str, x: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                      temb: torch.Tensor, rotary_emb: Any) -> torch.Tensor:
-        """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed)."""
-        rid = current_request_id()
-        fused = self.counters.fused
-        table = block.scale_shift_table[0]
+    def block_forward(self, block: nn.Module, counts: list[int], x: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
+                      full_table: torch.Tensor) -> torch.Tensor:
+        """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed).
+
+        ``counts`` are the block's plain counters (:class:`~worldfoundry_block_fusion.handle.BlockCounts`).
+        """
+        table = full_table[0]
         carry = self.carry_enabled and x.dtype != torch.float32
-        mods = None if (self.modulate and self.gate) else _eager_modulation(block.scale_shift_table, temb)
+        mods = None if (self.modulate and self.gate) else _eager_modulation(full_table, temb)
         xf = self.carry.take(x, block) if carry else None
         if xf is None:
             xf = x.float()
         else:
-            fused(path, "float_carry", rid)  # counted where a carried float32 stream replaces a .float() cast
+            counts[FLOAT_CARRY] += 1  # counted where a carried float32 stream replaces a .float() cast
         # 1. self-attention
         n = block.norm1(xf)
         if self.modulate:
             h = modulate(n, table, temb, 0, 1, out_dtype=x.dtype)[0]
-            fused(path, "modulate", rid)
+            counts[MODULATE] += 1
         else:
             h = (n * (1 + mods[1]) + mods[0]).type_as(x)
         attn = block.attn1(h, None, None, rotary_emb)
-        x, xf = self._gate(x, xf, attn, block.scale_shift_table, temb, 2, mods, carry, path, rid)
+        x, xf = self._gate(x, xf, attn, table, full_table, temb, 2, mods, carry, counts)
         if xf is None:
             xf = x.float()
         # 2. cross-attention
@@ -106,9 +134,9 @@ class WanBlockRuntime:
         if self.cross and attn.dtype == x.dtype and attn.shape == x.shape:
             x, carried = residual_add(x, attn, with_float=carry)
             xf = carried if carried is not None else x.float()
-            fused(path, "cross_residual", rid)
+            counts[CROSS_RESIDUAL] += 1
             if carry:
-                fused(path, "float_carry", rid)
+                counts[FLOAT_CARRY] += 1
         else:
             x = x + attn
             xf = x.float()
@@ -116,28 +144,28 @@ class WanBlockRuntime:
         n = block.norm3(xf)
         if self.modulate:
             h = modulate(n, table, temb, 3, 4, out_dtype=x.dtype)[0]
-            fused(path, "modulate", rid)
+            counts[MODULATE] += 1
         else:
             h = (n * (1 + mods[4]) + mods[3]).type_as(x)
         ff = block.ffn(h)
         consumer = self._next[id(block)] if carry else None
         # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
-        x, xf = self._gate(x, xf, ff, block.scale_shift_table, temb, 5, mods, carry, path, rid)
+        x, xf = self._gate(x, xf, ff, table, full_table, temb, 5, mods, carry, counts)
         if consumer is not None and xf is not None:
             self.carry.put(x, xf, block, consumer)
         return x
 
-    def _gate(self, x: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, full_table: torch.Tensor, temb: torch.Tensor,
-              k: int, mods: list[torch.Tensor] | None, carry: bool, path: str,
-              rid: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _gate(self, x: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, table: torch.Tensor,
+              full_table: torch.Tensor, temb: torch.Tensor, k: int, mods: list[torch.Tensor] | None, carry: bool,
+              counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x.float() + y.float() * gate).type_as(x)`` and, when carried, its float32 value."""
         if self.gate and y.shape == x.shape:
             # reads x (bfloat16), not its float32 copy: the same values, half the bytes
-            out, carried = gated_residual(x, y, full_table[0], temb, k, with_float=carry)
-            self.counters.fused(path, "gated_residual", rid)
+            out, carried = gated_residual(x, y, table, temb, k, with_float=carry)
+            counts[GATED_RESIDUAL] += 1
             if carried is not None:
                 if k != 5:  # the FFN gate's float32 output is counted when the next block uses it
-                    self.counters.fused(path, "float_carry", rid)
+                    counts[FLOAT_CARRY] += 1
                 return out, carried
             return out, (out if out.dtype == torch.float32 else None)  # a float32 stream is its own float value
         if mods is None:
@@ -169,6 +197,7 @@ class WanFusedSelfAttnProcessor:
         self.original = original
         self.runtime = runtime
         self.path = path
+        self.counts = runtime._counts[path]
         self._attention_backend = getattr(original, "_attention_backend", None)
         self._parallel_config = getattr(original, "_parallel_config", None)
 
@@ -197,16 +226,27 @@ class WanFusedSelfAttnProcessor:
 
     def _rotary(self, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         runtime = self.runtime
+        checked = runtime.rotary_checked
         if torch.is_grad_enabled():
             reason = REASON_GRAD
+        elif (checked is not None and type(rotary_emb) is tuple and len(rotary_emb) == 2
+              and rotary_emb[0] is checked[0] and rotary_emb[1] is checked[1] and query.shape == checked[2]
+              and key.shape == checked[2] and query.dtype == checked[3] and query.device == checked[4]):
+            reason = unavailable_reason(query)  # the very (cos, sin) pair and Q/K geometry checked before
         else:
             reason = unavailable_reason(query) or rotary_reason(query, rotary_emb)
             if reason is None and key.shape != query.shape:
                 reason = "key and query shapes differ"
             if reason is None and query.shape[1] < runtime.min_tokens:
                 reason = REASON_TOKENS
+            if reason is None and type(rotary_emb) is tuple:
+                runtime.rotary_checked = (rotary_emb[0], rotary_emb[1], query.shape, query.dtype, query.device)
         if reason is None:
-            runtime.counters.fused(self.path, "rope")
+            counts = self.counts
+            rid = current_request_id()
+            if rid != counts.rid:
+                runtime.counters.switch(counts, rid)
+            counts.counts[ROPE] += 1
             return rope_qk(query, key, *rotary_emb)
         runtime.counters.fallback(self.path, f"rope: {reason}")
         return reference_rope(query, *rotary_emb), reference_rope(key, *rotary_emb)
