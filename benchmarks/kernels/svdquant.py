@@ -108,6 +108,7 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
     if device.type == "cuda":
         calls["w4a8 GEMM only"] = lambda: triton_w4a8_gemm(q, s, sq, t, b)
         calls["int8 act quant only"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth)
+        calls["low-rank down x.D^T only"] = lambda: lowrank_down(x, sq)
         calls["int8 act quant two-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=False)
         if k <= 16384:
             calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=True)
