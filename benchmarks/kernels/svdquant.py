@@ -141,14 +141,16 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
 
 #: Fixed W4A8 GEMM configurations timed beside the autotuned one (``ASM: False`` = plain int8 unpacking).
 GEMM_SWEEP: dict[str, dict[str, Any]] = {
-    "128x128 w8 s3": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3},
-    "128x256 w8 s3": {"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3},
-    "swap 128x128 w8 s4": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SWAP_AB": True, "num_warps": 8,
-                           "num_stages": 4},
-    "swap 256x128 w8 s3": {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "SWAP_AB": True, "num_warps": 8,
-                           "num_stages": 3},
-    "swap 128x128 w8 s4 int8-unpack": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SWAP_AB": True,
-                                       "num_warps": 8, "num_stages": 4, "ASM": False},
+    name: {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "SWAP_AB": swap, "num_warps": warps, "num_stages": stages,
+           **({"ASM": False} if "int8-unpack" in name else {})}
+    for name, (bm, bn, swap, warps, stages) in {
+        "128x128 w8 s3": (128, 128, False, 8, 3),
+        "swap 128x128 w8 s4": (128, 128, True, 8, 4),
+        "swap 64x128 w4 s4": (64, 128, True, 4, 4),
+        "swap 128x64 w4 s4": (128, 64, True, 4, 4),
+        "swap 64x64 w4 s4": (64, 64, True, 4, 4),
+        "swap 128x128 w8 s4 int8-unpack": (128, 128, True, 8, 4),
+    }.items()
 }
 SWEEP_PREFIX = "w4a8 GEMM cfg "
 
