@@ -54,9 +54,11 @@ def test_w4a8_gemm_lowers_to_pipelined_int8_wgmma_on_sm90(swap, group):
 
 def test_int8_activation_kernel_compiles_single_pass_for_sm90():
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "K": "i32",
-           "stride_xm": "i32", "HAS_SMOOTH": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "SINGLE_PASS": "constexpr"}
-    consts = {"HAS_SMOOTH": True, "BLOCK_M": 1, "BLOCK_K": 16384, "SINGLE_PASS": True}
+           "stride_xm": "i32", **dict.fromkeys(["HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "SINGLE_PASS", "P0", "P1", "P2"],
+                                               "constexpr")}
+    meta = int8_act_quant._launch_shape(8960, single_pass=True)
+    assert (meta["P0"], meta["P1"], meta["P2"]) == (8192, 512, 256)  # no padded lanes
+    consts = {"HAS_SMOOTH": True, **{k: v for k, v in meta.items() if k != "num_warps"}}
     kernel = triton.compile(ASTSource(fn=int8_act_quant._int8_rows_kernel, signature=sig, constexprs=consts),
-                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+                            target=HOPPER, options={"num_warps": meta["num_warps"], "enable_fp_fusion": False})
     assert "fma.rn.f32" not in kernel.asm["ptx"]  # x * rcp is rounded before the rounding addition
