@@ -111,7 +111,8 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
         calls["low-rank down x.D^T only"] = lambda: lowrank_down(x, sq)
         calls["int8 act quant two-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=False)
         if k <= 16384:
-            calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=True)
+            calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth,
+                                                                                    single_pass=True)
         calls.update(_gemm_sweep(q, s, sq, t, b, entry))
         calls["w4a8 rank 0 (quant + GEMM)"] = lambda: svdquant_linear(x, rtn, b, backend="w4a8")
         calls["svdquant w4a16"] = lambda: svdquant_linear(x, sq, b, backend="w4a16")
