@@ -205,9 +205,10 @@ if TRITON_AVAILABLE:
     #: Autotuned on CUDA per (M, N, K, group, low-rank) -- both tile orientations. None spills registers on
     #: sm_90 (``ptxas -v``: 256-wide tiles spill 0.5 KB and are left out); the 4-warp tiles fit two or more
     #: programs per SM, so one program's MMAs overlap another's per-group float32 scaling.
+    #: Mostly ``SWAP_AB`` tiles: there the unpacked weights stay in registers as wgmma's A operand, while the
+    #: other orientation writes them back to shared memory every K step (one such tile kept for comparison).
     W4A8_CONFIGS: Final = [
-        _config(128, 128, 8, 4, False), _config(128, 128, 8, 3, False), _config(64, 128, 4, 4, False),
-        _config(128, 64, 4, 4, False), _config(128, 128, 8, 4, True), _config(128, 128, 8, 3, True),
+        _config(128, 128, 8, 4, False), _config(128, 128, 8, 4, True), _config(128, 128, 8, 3, True),
         _config(64, 128, 4, 4, True), _config(128, 64, 4, 4, True), _config(64, 64, 4, 4, True),
     ]
     W4A16_CONFIGS: Final = [
