@@ -52,6 +52,15 @@ def test_w4a8_gemm_lowers_to_pipelined_int8_wgmma_on_sm90(swap, group):
     assert "0xF0F0F0F0" in ptx  # nibbles unpacked four bytes per 32-bit and
 
 
+def test_w4a8_gemm_compiles_with_plain_int8_unpacking_for_sm90():
+    consts = {"GROUP": 128, "RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": True, "BLOCK_M": 128,
+              "BLOCK_N": 128, "GROUP_M": 8, "WIDEN": False, "ASM": False}
+    kernel = triton.compile(ASTSource(fn=w4a8_gemm._w4a8_kernel, signature=W4A8_SIGNATURE, constexprs=consts,
+                                      attrs=ALIGNED), target=HOPPER, options={"num_warps": 8, "num_stages": 4})
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx) and "0xF0F0F0F0" not in ptx
+
+
 def test_int8_activation_kernel_compiles_single_pass_for_sm90():
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "K": "i32",
            "stride_xm": "i32", **dict.fromkeys(["HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "SINGLE_PASS", "P0", "P1", "P2"],
