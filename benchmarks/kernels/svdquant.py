@@ -10,6 +10,9 @@ section):
    (rank 0), W4A16, and the anchor FP8 rowwise ``torch._scaled_mm`` (pre-quantized). Interleaved paired
    rounds, medians; rel L2 vs bf16 and agreement with the torch reference (within 2**-7 * max|ref|, i.e. one
    bfloat16 ulp); device bytes of the Linear dense vs SVDQuant (goal >= 3.5x smaller) and speed (goal >= 1.2x).
+   Beside the autotuned GEMM (its pick is recorded), a small sweep of fixed configurations
+   (:data:`GEMM_SWEEP`: tiles, orientation, stages, plain int8 unpacking; each checked against the autotuned
+   output) and both activation-quantizer variants (single-pass / two-pass) are timed; the fastest GEMM is named.
 2. ``forward_w81``: Wan2.1-T2V-1.3B architecture (random seeded weights, bf16) at W81: dense vs svdquant on
    the 60 FFN Linears (``blocks.*.ffn.0`` / ``ffn.2``; artifact calibrated here on random inputs at W17, rank 32,
    group 128, randomized SVD, ``keep_original: cpu``): forward ratio, latent rel L2, receipts (every Linear
@@ -24,6 +27,7 @@ these weights only.
 Usage::
 
     python benchmarks/kernels/svdquant.py --out "$OUT"           # H200, about 4 minutes
+    python benchmarks/kernels/svdquant.py --skip forward_w81 memory_14b --out "$OUT"   # per-Linear only
     python benchmarks/kernels/svdquant.py --smoke --out /tmp/sq   # CPU plumbing check (torch reference)
 """
 
@@ -104,6 +108,12 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
     if device.type == "cuda":
         calls["w4a8 GEMM only"] = lambda: triton_w4a8_gemm(q, s, sq, t, b)
         calls["int8 act quant only"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth)
+        calls["low-rank down x.D^T only"] = lambda: lowrank_down(x, sq)
+        calls["int8 act quant two-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=False)
+        if k <= 16384:
+            calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth,
+                                                                                    single_pass=True)
+        calls.update(_gemm_sweep(q, s, sq, t, b, entry))
         calls["w4a8 rank 0 (quant + GEMM)"] = lambda: svdquant_linear(x, rtn, b, backend="w4a8")
         calls["svdquant w4a16"] = lambda: svdquant_linear(x, sq, b, backend="w4a16")
         try:
@@ -124,9 +134,59 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
     entry["timing"] = interleaved(calls, device, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
                                   baseline="bf16 F.linear")
     main_row = entry["timing"]["svdquant w4a8 (quant + low-rank + GEMM)"]
+    entry["gemm_sweep_winner"] = _sweep_winner(entry["timing"])
     entry["goals"] = {"speed_ge_1.2x": main_row["paired_speedup_median"] >= 1.2,
                       "bytes_ge_3.5x_smaller": entry["device_bytes"]["ratio"] >= 3.5}
     return entry
+
+
+#: Fixed W4A8 GEMM configurations timed beside the autotuned one (``ASM: False`` = plain int8 unpacking).
+GEMM_SWEEP: dict[str, dict[str, Any]] = {
+    name: {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "SWAP_AB": swap, "num_warps": warps, "num_stages": stages,
+           **({"ASM": False} if "int8-unpack" in name else {})}
+    for name, (bm, bn, swap, warps, stages) in {
+        "128x128 w8 s3": (128, 128, False, 8, 3),
+        "swap 128x128 w8 s4": (128, 128, True, 8, 4),
+        "swap 64x128 w4 s4": (64, 128, True, 4, 4),
+        "swap 128x64 w4 s4": (128, 64, True, 4, 4),
+        "swap 64x64 w4 s4": (64, 64, True, 4, 4),
+        "swap 128x128 w8 s4 int8-unpack": (128, 128, True, 8, 4),
+    }.items()
+}
+SWEEP_PREFIX = "w4a8 GEMM cfg "
+
+
+def _gemm_sweep(q: torch.Tensor, s: torch.Tensor, sq: Any, t: torch.Tensor, b: torch.Tensor,
+                entry: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Timed calls for :data:`GEMM_SWEEP` whose output matches the autotuned GEMM within one bf16 ulp of max.
+
+    A configuration that fails to compile or to match is recorded in ``entry["gemm_sweep_errors"]``.
+    """
+    from worldfoundry.core.acceleration.kernels import w4a8_gemm
+
+    tuned = triton_w4a8_gemm(q, s, sq, t, b).float()
+    best = getattr(w4a8_gemm._w4a8_tuned, "best_config", None)
+    entry["autotuned_config"] = None if best is None else {**best.kwargs, "num_warps": best.num_warps,
+                                                            "num_stages": best.num_stages}
+    calls: dict[str, Callable[[], Any]] = {}
+    for name, cfg in GEMM_SWEEP.items():
+        try:
+            out = triton_w4a8_gemm(q, s, sq, t, b, config=cfg).float()
+            err = float((out - tuned).abs().max() / (ULP_TOL * tuned.abs().max()))
+            if err > 1.0:
+                raise AssertionError(f"differs from the autotuned GEMM by {err:.2f} ulp of max")
+            calls[SWEEP_PREFIX + name] = lambda cfg=cfg: triton_w4a8_gemm(q, s, sq, t, b, config=cfg)
+        except Exception as exc:  # a configuration that cannot run is recorded, the rest still run
+            entry.setdefault("gemm_sweep_errors", {})[name] = repr(exc)
+    return calls
+
+
+def _sweep_winner(timing: dict[str, Any]) -> dict[str, Any] | None:
+    rows = {k: v["median_ms"] for k, v in timing.items() if k.startswith(SWEEP_PREFIX) or k == "w4a8 GEMM only"}
+    if not rows:
+        return None
+    name = min(rows, key=rows.get)
+    return {"name": name, "median_ms": rows[name]}
 
 
 def linear_bench(device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -294,7 +354,10 @@ def print_tables(data: dict[str, Any]) -> None:
               f"{case['max_abs_vs_reference_in_ulps_of_max']:.2f} ulp; bytes {case['device_bytes']['ratio']:.2f}x "
               f"smaller; goals {case['goals']}")
         for name, t in case["timing"].items():
-            print(f"   {name:<42} {t['median_ms']:9.3f} ms  {t['paired_speedup_median']:6.3f}x")
+            print(f"   {name:<46} {t['median_ms']:9.3f} ms  {t['paired_speedup_median']:6.3f}x")
+        if case.get("gemm_sweep_winner"):
+            print(f"   fastest GEMM: {case['gemm_sweep_winner']['name']} (autotuned: {case.get('autotuned_config')})"
+                  f"{'; sweep errors ' + str(case['gemm_sweep_errors']) if case.get('gemm_sweep_errors') else ''}")
     fw = data.get("forward_w81")
     if fw:
         t = fw["timing"]

@@ -38,8 +38,11 @@ def wan_inputs(dtype: torch.dtype = torch.float32, seed: int = 1) -> dict[str, t
 
 
 def run_wan(model: nn.Module, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    """One forward on the inputs of ``seed``, moved to the model's device."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in wan_inputs(dtype, seed).items()}
     with torch.no_grad():
-        return model(**wan_inputs(dtype, seed), return_dict=False)[0]
+        return model(**inputs, return_dict=False)[0]
 
 
 def calibrate(model: nn.Module, out: Path, *, method: str = "svdquant", rank: int = 16, group_size: int = 64,

@@ -45,7 +45,7 @@ def _weight(n: int, k: int, rank: int, group: int, smooth: bool, seed: int = 0):
 
 
 @pytest.mark.parametrize("smooth", [False, True])
-@pytest.mark.parametrize("shape", [(5, 64), (13, 200), (4, 1536)])
+@pytest.mark.parametrize("shape", [(5, 64), (13, 200), (4, 1536), (3, 8960)])  # 1, 3, 2, 3 row pieces
 def test_int8_activation_kernel_is_bitwise_the_reference(shape, smooth):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)

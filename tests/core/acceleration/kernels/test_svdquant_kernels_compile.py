@@ -30,26 +30,44 @@ HOPPER = None if not HAS_NVIDIA else GPUTarget("cuda", 90, 32)
 W4A8_SIGNATURE = {
     "xq_ptr": "*i8", "xs_ptr": "*fp32", "wq_ptr": "*i8", "ws_ptr": "*bf16", "t_ptr": "*bf16", "lu_ptr": "*bf16",
     "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", **dict.fromkeys(
-        ["GROUP", "RANK", "HAS_LR", "HAS_BIAS", "SWAP_AB", "BLOCK_M", "BLOCK_N", "GROUP_M", "WIDEN"], "constexpr"),
+        ["GROUP", "RANK", "HAS_LR", "HAS_BIAS", "SWAP_AB", "BLOCK_M", "BLOCK_N", "GROUP_M", "WIDEN", "ASM"], "constexpr"),
 }
+#: What the JIT assumes at run time for the W81 shapes: every pointer and M, N, K divisible by 16 (without it
+#: no load is vectorized and nothing is pipelined with ``cp.async``).
+ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(11)}
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_w4a8_gemm_lowers_to_int8_wgmma_on_sm90(swap):
-    consts = {"GROUP": 128, "RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128,
-              "BLOCK_N": 128, "GROUP_M": 8, "WIDEN": False}
-    kernel = triton.compile(ASTSource(fn=w4a8_gemm._w4a8_kernel, signature=W4A8_SIGNATURE, constexprs=consts),
-                            target=HOPPER, options={"num_warps": 8, "num_stages": 3})
+@pytest.mark.parametrize("group", [64, 128])
+def test_w4a8_gemm_lowers_to_pipelined_int8_wgmma_on_sm90(swap, group):
+    consts = {"GROUP": group, "RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128,
+              "BLOCK_N": 128, "GROUP_M": 8, "WIDEN": False, "ASM": True}
+    kernel = triton.compile(ASTSource(fn=w4a8_gemm._w4a8_kernel, signature=W4A8_SIGNATURE, constexprs=consts,
+                                      attrs=ALIGNED), target=HOPPER, options={"num_warps": 8, "num_stages": 3})
     ptx = kernel.asm["ptx"]
-    assert re.search(r"wgmma\.mma_async[^;]*\.s8", ptx), "INT8 dot did not lower to wgmma"
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx), "INT8 dot did not lower to wgmma"
     assert not re.search(r"mma\.sync[^;]*\.s8", ptx)
+    assert "cp.async" in ptx, "operand loads are not pipelined"
+    assert "cvt.rn.f32.s32" not in ptx  # int32 -> float32 by the exact bit trick, not the slow conversion
+    assert "0xF0F0F0F0" in ptx  # nibbles unpacked four bytes per 32-bit and
+
+
+def test_w4a8_gemm_compiles_with_plain_int8_unpacking_for_sm90():
+    consts = {"GROUP": 128, "RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": True, "BLOCK_M": 128,
+              "BLOCK_N": 128, "GROUP_M": 8, "WIDEN": False, "ASM": False}
+    kernel = triton.compile(ASTSource(fn=w4a8_gemm._w4a8_kernel, signature=W4A8_SIGNATURE, constexprs=consts,
+                                      attrs=ALIGNED), target=HOPPER, options={"num_warps": 8, "num_stages": 4})
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx) and "0xF0F0F0F0" not in ptx
 
 
 def test_int8_activation_kernel_compiles_single_pass_for_sm90():
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "K": "i32",
-           "stride_xm": "i32", "HAS_SMOOTH": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "SINGLE_PASS": "constexpr"}
-    consts = {"HAS_SMOOTH": True, "BLOCK_M": 1, "BLOCK_K": 16384, "SINGLE_PASS": True}
+           "stride_xm": "i32", **dict.fromkeys(["HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "SINGLE_PASS", "P0", "P1", "P2"],
+                                               "constexpr")}
+    meta = int8_act_quant._launch_shape(8960, single_pass=True)
+    assert (meta["P0"], meta["P1"], meta["P2"]) == (8192, 512, 256)  # no padded lanes
+    consts = {"HAS_SMOOTH": True, **{k: v for k, v in meta.items() if k != "num_warps"}}
     kernel = triton.compile(ASTSource(fn=int8_act_quant._int8_rows_kernel, signature=sig, constexprs=consts),
-                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+                            target=HOPPER, options={"num_warps": meta["num_warps"], "enable_fp_fusion": False})
     assert "fma.rn.f32" not in kernel.asm["ptx"]  # x * rcp is rounded before the rounding addition

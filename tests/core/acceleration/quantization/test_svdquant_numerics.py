@@ -122,3 +122,33 @@ def test_parameter_digest_is_cached_per_version():
     second = parameter_digest(p)
     assert second != first and second == tensor_sha256(p) and digest_computations() == count + 1
     assert tensor_sha256(p.detach().to(torch.bfloat16)) != tensor_sha256(p.detach())  # dtype is part of it
+
+
+def test_int8_reference_divides_once_like_the_kernel():
+    # torch evaluates ``127 / t`` as ``reciprocal(t) * 127`` (and on CUDA ``t / 127`` as ``t * (1 / 127)``);
+    # the reference must use single correctly rounded divisions, as ``tl.div_rn`` in the kernel does.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 1024, generator=g) * torch.logspace(-3, 3, 2048).unsqueeze(1)  # old form: a code off
+    q, scale = quantize_rows_int8(x)
+    amax = x.abs().amax(dim=1, keepdim=True).double()
+    assert torch.equal(scale, (amax / 127.0).float())
+    rcp = (127.0 / amax).float()
+    assert torch.equal(q, torch.round(x * rcp).clamp(-127, 127).to(torch.int8))
+
+
+def test_w4a8_kernel_unpacking_and_float_identities():
+    # The GEMM feeds 16x the codes to the dot: ``b << 4`` (low nibble) and ``b & 0xF0`` (high nibble), on CUDA
+    # four bytes per 32-bit ``shl``/``and``; and it converts int32 to float32 by ``bits(1.5 * 2**23) + i``.
+    b = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    lo = ((b.to(torch.int16) & 0xF) ^ 8) - 8
+    hi = (((b.to(torch.int16) >> 4) & 0xF) ^ 8) - 8
+    assert torch.equal((b << 4).to(torch.int16), 16 * lo) and torch.equal((b & -16).to(torch.int16), 16 * hi)
+    words = b.view(torch.int32)  # 64 words of four bytes
+    mask = torch.tensor(0xF0F0F0F0 - 2**32, dtype=torch.int32)
+    assert torch.equal(((words << 4) & mask).view(torch.int8), b << 4)
+    assert torch.equal((words & mask).view(torch.int8), b & -16)
+    i = torch.cat([torch.arange(-2**22, -2**22 + 1000), torch.randint(-2**22, 2**22, (100000,)),
+                   torch.arange(2**22 - 1000, 2**22)]).to(torch.int32)
+    exact = (i + 0x4B400000).view(torch.float32) - 12582912.0
+    assert torch.equal(exact, i.float())
+    assert 16 * 128 * 127 * 8 < 2**22  # |16 * partial sum| of one group of 128 stays in range

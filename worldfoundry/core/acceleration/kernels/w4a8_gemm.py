@@ -4,10 +4,13 @@
 
 * ``q_x`` int8 ``[M, K]`` and ``s_x`` float32 ``[M, 1]`` come from the per-token quantizer
   (:mod:`.int8_act_quant`); ``q_R`` is the packed INT4 residual (``int8 [N, K/2]``, layout in
-  :mod:`worldfoundry.core.acceleration.quantization.int4_packing`), unpacked in registers with two shifts
-  (``lo = (b << 4) >> 4``, ``hi = b >> 4``) to int8;
+  :mod:`worldfoundry.core.acceleration.quantization.int4_packing`), unpacked in registers to *16 times* the
+  codes, ``lo16 = b << 4`` and ``hi16 = b & 0xF0`` (int8, each nibble moved to the high half of its byte), on
+  CUDA with one 32-bit ``shl``/``and`` per four bytes (inline PTX); the 1/16 goes into the group scale (exact);
 * one K step is one scale group ``G`` (64 or 128): two ``tl.dot`` int8 x int8 -> int32 (the two half-groups
-  of the packing), then ``acc += float32(part) * s_w[g]`` in float32. Group scales along K forbid one int32
+  of the packing), then ``acc += float32(part) * s_w[g] / 16`` in float32, the int32 -> float32 step done
+  exactly by adding the bits of ``1.5 * 2**23`` and subtracting that float (``|part| < 2**22``), which avoids
+  the quarter-rate ``cvt.rn.f32.s32`` on every accumulator element and group. Group scales along K forbid one int32
   accumulation over the whole K; accumulating each group exactly and scaling in float32 keeps the group scales
   (better INT4 accuracy) at the cost of one convert + FMA per accumulator element and group;
 * epilogue: ``acc * s_x``, the low-rank up projection ``tl.dot(t, U.T)`` on the same tile (``t = x @ D.T``,
@@ -74,10 +77,35 @@ if TRITON_AVAILABLE:
         return (p >> 4).to(tl.int8)
 
     @triton.jit
+    def _low_nibble_x16(p, ASM: tl.constexpr):
+        """``16 * low nibble`` of int8 ``p`` as int8 (``p << 4``); with ``ASM`` four bytes per 32-bit op."""
+        if ASM:
+            return tl.inline_asm_elementwise("{ shl.b32 $0, $1, 4; and.b32 $0, $0, 0xF0F0F0F0; }", "=r,r", [p],
+                                             dtype=tl.int8, is_pure=True, pack=4)
+        return (p << 4).to(tl.int8)
+
+    @triton.jit
+    def _high_nibble_x16(p, ASM: tl.constexpr):
+        """``16 * high nibble`` of int8 ``p`` as int8 (``p & 0xF0``); with ``ASM`` four bytes per 32-bit op."""
+        if ASM:
+            return tl.inline_asm_elementwise("and.b32 $0, $1, 0xF0F0F0F0;", "=r,r", [p], dtype=tl.int8,
+                                             is_pure=True, pack=4)
+        return (p & -16).to(tl.int8)
+
+    @triton.jit
+    def _exact_float(i):
+        """float32 of int32 ``i`` for ``|i| < 2**22`` without a conversion instruction (exact).
+
+        ``bits(1.5 * 2**23) + i`` is the float ``1.5 * 2**23 + i``; subtracting ``1.5 * 2**23`` leaves ``i``. One
+        integer add and one float add instead of ``cvt.rn.f32.s32`` (a quarter-rate instruction on Hopper).
+        """
+        return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
     def _w4a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K,
                      GROUP: tl.constexpr, RANK: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                     WIDEN: tl.constexpr):
+                     WIDEN: tl.constexpr, ASM: tl.constexpr = False):
         offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = offs_m < M
         nmask = offs_n < N
@@ -91,21 +119,23 @@ if TRITON_AVAILABLE:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for g in range(0, K // GROUP):
             k0 = g * GROUP
-            s = tl.load(ws_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # codes enter the dot times 16 (nibble kept in the high half of each byte): the scale takes the
+            # 1/16 (exact, a power of two); |16 * partial| <= 16 * 128 * 127 * 8 < 2**22 for _exact_float
+            s = tl.load(ws_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32) * 0.0625
             if SWAP_AB:
                 p = tl.load(wq_ptr + w_rows[:, None] + (g * HALF + kh)[None, :], mask=nmask[:, None], other=0)
                 xa = tl.load(xq_ptr + x_rows[None, :] + (k0 + kh)[:, None], mask=mmask[None, :], other=0)
                 xb = tl.load(xq_ptr + x_rows[None, :] + (k0 + HALF + kh)[:, None], mask=mmask[None, :], other=0)
-                part = tl.dot(_low_nibble(p), xa, out_dtype=tl.int32)
-                part = tl.dot(_high_nibble(p), xb, part, out_dtype=tl.int32)
-                acc += part.to(tl.float32) * s[:, None]
+                part = tl.dot(_low_nibble_x16(p, ASM), xa, out_dtype=tl.int32)
+                part = tl.dot(_high_nibble_x16(p, ASM), xb, part, out_dtype=tl.int32)
+                acc += _exact_float(part) * s[:, None]
             else:
                 p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
                 xa = tl.load(xq_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0)
                 xb = tl.load(xq_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None], other=0)
-                part = tl.dot(xa, _low_nibble(p), out_dtype=tl.int32)
-                part = tl.dot(xb, _high_nibble(p), part, out_dtype=tl.int32)
-                acc += part.to(tl.float32) * s[None, :]
+                part = tl.dot(xa, _low_nibble_x16(p, ASM), out_dtype=tl.int32)
+                part = tl.dot(xb, _high_nibble_x16(p, ASM), part, out_dtype=tl.int32)
+                acc += _exact_float(part) * s[None, :]
         xs = tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)
         r = tl.arange(0, RANK)
         if SWAP_AB:
@@ -172,11 +202,14 @@ if TRITON_AVAILABLE:
             meta["SWAP_AB"] = swap
         return triton.Config(meta, num_warps=warps, num_stages=stages)
 
-    #: Autotuned on CUDA per (M, N, K, group, low-rank) -- both tile orientations.
+    #: Autotuned on CUDA per (M, N, K, group, low-rank) -- both tile orientations. None spills registers on
+    #: sm_90 (``ptxas -v``: 256-wide tiles spill 0.5 KB and are left out); the 4-warp tiles fit two or more
+    #: programs per SM, so one program's MMAs overlap another's per-group float32 scaling.
+    #: Mostly ``SWAP_AB`` tiles: there the unpacked weights stay in registers as wgmma's A operand, while the
+    #: other orientation writes them back to shared memory every K step (one such tile kept for comparison).
     W4A8_CONFIGS: Final = [
-        _config(128, 128, 8, 4, False), _config(128, 256, 8, 3, False), _config(256, 128, 8, 3, False),
-        _config(128, 128, 4, 4, False), _config(128, 128, 8, 4, True), _config(256, 128, 8, 3, True),
-        _config(128, 256, 8, 3, True), _config(64, 128, 4, 4, True),
+        _config(128, 128, 8, 4, False), _config(128, 128, 8, 4, True), _config(128, 128, 8, 3, True),
+        _config(64, 128, 4, 4, True), _config(128, 64, 4, 4, True), _config(64, 64, 4, 4, True),
     ]
     W4A16_CONFIGS: Final = [
         _config(128, 128, 8, 4), _config(128, 256, 8, 3), _config(256, 128, 8, 3), _config(64, 128, 4, 4),
@@ -216,7 +249,8 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
         t: bfloat16 ``[M, r]`` = ``x @ D.T`` or ``None`` for rank 0.
         bias: optional ``[N]``.
         out_dtype: output dtype.
-        config: fixed tile (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SWAP_AB``, optional ``num_warps``);
+        config: fixed tile (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SWAP_AB``, optional ``num_warps``,
+            ``num_stages``, ``ASM`` -- ``False`` unpacks with plain int8 ops instead of 32-bit inline PTX);
             ``None`` autotunes on CUDA and uses :data:`INTERPRETER_CONFIG` under the interpreter.
 
     Returns:
@@ -238,13 +272,16 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     args = (q, scale, weight.qweight, weight.scales, t if has_lr else scale, weight.lora_up if has_lr else scale,
             bias if bias is not None else scale, out, m, n, k)
     flags = dict(GROUP=weight.group_size, RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None,
-                 WIDEN=q.device.type != "cuda")
+                 WIDEN=q.device.type != "cuda", ASM=q.device.type == "cuda" and not interpreter_enabled())
     if config is None and not interpreter_enabled():
         _w4a8_tuned[_grid(m, n)](*args, **flags)
         return out
     cfg = dict(INTERPRETER_CONFIG, SWAP_AB=False) if config is None else dict(config)
     warps = cfg.pop("num_warps", 4)
-    _w4a8_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps)
+    stages = cfg.pop("num_stages", 3)
+    if "ASM" in cfg:  # a config may pin the unpacking variant (benchmark comparison); never under the interpreter
+        flags["ASM"] = bool(cfg.pop("ASM")) and flags["ASM"]
+    _w4a8_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
     return out
 
 

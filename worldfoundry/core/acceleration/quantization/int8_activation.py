@@ -11,7 +11,10 @@ For rows ``x[m, :]`` (tokens) and a smoothing vector ``inv_smooth[k] = 1 / λ[k]
 
 This is the torch reference; the Triton kernel
 (:mod:`worldfoundry.core.acceleration.kernels.int8_act_quant`) computes the same operations in the same
-order and gives the same bytes and scales for every finite input.
+order and gives the same bytes and scales for every finite input. Both divisions are tensor-by-tensor IEEE
+divisions on purpose: ``127 / amax`` written with a Python number is ``reciprocal(amax) * 127`` in torch, and
+``amax / 127`` on CUDA is ``amax * (1 / 127)`` (each rounds twice and differs from the kernel by one ulp at
+times, which moves a few codes by one).
 
 Example:
     >>> import torch
@@ -61,8 +64,11 @@ def quantize_rows_int8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) 
         )
     rows = smoothed_rows(x, inv_smooth)
     amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
-    scale = amax / INT8_MAX
-    rcp = INT8_MAX / amax
+    # Tensor-by-tensor divisions: torch computes ``number / tensor`` as ``reciprocal(tensor) * number`` and, on
+    # CUDA, ``tensor / number`` as ``tensor * (1 / number)`` -- two roundings each, unlike the kernel's one.
+    limit = torch.full_like(amax, INT8_MAX)
+    scale = torch.div(amax, limit)
+    rcp = torch.div(limit, amax)
     q = torch.round(rows * rcp).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
