@@ -381,7 +381,9 @@ class ForwardValidation:
         return ok
 
     def pre_hook(self, module: nn.Module, args: Any) -> None:
-        ok = self.valid()
+        # A hook that replaces the model's forward (accelerate's ``_hf_hook``: model CPU offload) may move the
+        # weights after this pre-hook ran; then no trust is granted and every call checks its members itself.
+        ok = getattr(module, "_hf_hook", None) is None and self.valid()
         context = _call_context(self._device_type == "cpu", self._device_type or "cpu") if ok else (0, None)
         me = _get_ident()
         left = getattr(self._local, "depth", 0)  # > 0: an earlier forward of this thread never ran its post-hook
