@@ -41,6 +41,7 @@ from worldfoundry.base_models.diffusion_model.codec_options import (
     check_purpose_and_dtype,
     refuse_codec_options,
 )
+from worldfoundry.base_models.runtime_options import VAE_FP8_CALIBRATION
 from worldfoundry.core.model_loading.policy import (
     RuntimePolicy,
     dtype_name,
@@ -419,6 +420,22 @@ def install_fp8_encoder(codec: WanVideoCodec, artifact_path: str | os.PathLike[s
 COMPONENT_OPTION_KEYS: Final = frozenset(
     {"variant", "tiled", "dtype", "vae_dtype", "fp8_calibration", "vae_fp8_calibration", "fp8_backend", "seed"}
 )
+
+
+def refuse_calibration_for_recipe_codec(codec_options: Mapping[str, Any], runtime_options: Mapping[str, Any]) -> None:
+    """Refuse the runtime option ``vae_fp8_calibration`` when the recipe's own codec (no FP8 encoder) is chosen.
+
+    Args:
+        codec_options: the codec's component options (``component_options["latent_encoder:codec"]``).
+        runtime_options: the runtime policy's options.
+
+    Raises:
+        UnsupportedCodecOptionError: a calibration path without the student codec's variant.
+    """
+    if codec_options.get("variant", TEACHER_VARIANT) == TEACHER_VARIANT and runtime_options.get(VAE_FP8_CALIBRATION):
+        raise UnsupportedCodecOptionError(
+            VAE_FP8_CALIBRATION, "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 "
+            "encoder calibration needs the student codec's variant in component_options['latent_encoder:codec']")
 
 
 def codec_from_component_options(

@@ -167,12 +167,11 @@ def load_components(
         elif codec_spec is not None:
             options = {"tiled": bool(codec_spec.get("tiled", False)), **comp_opts.get("codec", {})}
             unknown = sorted(set(options) - {"tiled", "dtype", "vae_dtype", "variant"})
-            if unknown or policy.options.get("vae_fp8_calibration"):
+            if unknown:
                 from worldfoundry.errors import UnsupportedCodecOptionError
 
-                name = (unknown or ["vae_fp8_calibration"])[0]
                 raise UnsupportedCodecOptionError(
-                    name, "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 encoder "
+                    unknown[0], "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 encoder "
                     "calibration needs the student codec's variant in component_options['latent_encoder:codec']")
             dtype = _dtype_for("codec", policy, options)
             module, source = _load_module(
