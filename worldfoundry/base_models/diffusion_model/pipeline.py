@@ -150,7 +150,7 @@ class NativeDiffusionPipeline:
         policy = policy or RuntimePolicy()
         recipe, inferred_dir = resolve_recipe(recipe_or_dir)
         if recipe.component("codec") is not None:  # fail before loading anything
-            from worldfoundry.base_models.diffusion_model.codec import refuse_calibration_for_recipe_codec
+            from worldfoundry.base_models.diffusion_model.codec_options import refuse_calibration_for_recipe_codec
 
             codec_options = split_component_options(component_options).get("codec", {})
             refuse_calibration_for_recipe_codec(codec_options, policy.options)
