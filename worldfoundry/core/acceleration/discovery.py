@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as importlib_metadata
 import logging
 import os
@@ -48,15 +49,7 @@ class PluginLoadRecord:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "entry_point": self.entry_point,
-            "value": self.value,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status,
-            "names": list(self.names),
-            "error": self.error,
-        }
+        return {**dataclasses.asdict(self), "names": list(self.names)}
 
 
 def parse_allowlist(value: str | None) -> frozenset[str] | None:
