@@ -42,3 +42,7 @@ def accelerate(pipe: Any, spec: Mapping[str, Any], policy: Any = None, **kwargs:
 
 
 __all__ = ["__version__", "accelerate", "hookimpl"]
+
+# The model layer's runtime options are declared on import of the package, so a ``RuntimePolicy`` built before
+# any model-layer import accepts them (the declarations import no torch).
+from worldfoundry.base_models import runtime_options as _runtime_options  # noqa: E402,F401

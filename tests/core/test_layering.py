@@ -31,6 +31,12 @@ def _plugin_names() -> set[str]:
     return names - METHOD_NAMES
 
 
+def _model_layer_option_keys() -> frozenset[str]:
+    from worldfoundry.base_models.runtime_options import MODEL_LAYER_OPTION_KEYS
+
+    return MODEL_LAYER_OPTION_KEYS
+
+
 def _core_files() -> list[Path]:
     return sorted(CORE.rglob("*.py"))
 
@@ -56,3 +62,17 @@ def test_core_imports_nothing_above_it(path: Path) -> None:
                                                        "worldfoundry.plugin", "worldfoundry.cli",
                                                        "worldfoundry.bench")))
     assert not upward, f"{path.relative_to(ROOT)} imports {upward}; hand that knowledge down as a parameter"
+
+
+def test_model_layer_option_keys_are_declared_to_core() -> None:
+    from worldfoundry.core.model_loading.runtime_options import declared_runtime_options
+
+    assert "vae_fp8_calibration" in _model_layer_option_keys()
+    assert _model_layer_option_keys() <= set(declared_runtime_options())
+
+
+@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_names_no_model_layer_option(path: Path) -> None:
+    text = path.read_text()
+    found = sorted(key for key in _model_layer_option_keys() if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", text))
+    assert not found, f"{path.relative_to(ROOT)} names model-layer option(s) {found}; declare them from the model layer"

@@ -36,8 +36,10 @@ from worldfoundry.base_models.diffusion_model.codec_checkpoints import (
     get_variant,
     read_checkpoint,
 )
-from worldfoundry.base_models.diffusion_model.codec_options import (
+from worldfoundry.base_models.diffusion_model.codec_options import (  # FP8_BACKENDS: re-exported
+    FP8_BACKENDS,
     REFUSED_OPTIONS,
+    check_load_arguments,
     check_purpose_and_dtype,
     refuse_codec_options,
 )
@@ -51,7 +53,6 @@ from worldfoundry.errors import (
     CheckpointError,
     InvalidRequestError,
     ModelBusyError,
-    PolicyError,
     UnsupportedCodecOptionError,
 )
 
@@ -65,7 +66,6 @@ logger = logging.getLogger(__name__)
 
 #: Name of the acceleration plugin that runs the student encoder in FP8 (distribution ``worldfoundry-lightvae``).
 FP8_PLUGIN_NAME: Final = "lightvae"
-FP8_BACKENDS: Final = ("auto", "scaled_mm", "reference")
 
 
 class WanVideoCodec:
@@ -264,6 +264,33 @@ def random_wan_video_codec(variant: str = STUDENT_VARIANT, *, device: Any = "cpu
     return WanVideoCodec(module, spec, source=None, random_seed=seed)
 
 
+def _read_codec_source(path: str | os.PathLike[str], spec: CodecVariant, published_size: int | None,
+                       published_sha256: str | None, *, need_sha: bool) -> tuple[dict[str, torch.Tensor], CodecSource]:
+    """Read, check and convert the codec checkpoint at ``path``, and describe where it came from.
+
+    Args:
+        need_sha: hash the weights file even when it is not the published one (an FP8 artifact is bound to it).
+
+    Returns:
+        ``(converted float32 state dict, source)``.
+
+    Raises:
+        MissingWeightsError / CheckpointError: as :func:`load_wan_video_codec`.
+    """
+    raw = read_checkpoint(path, recipe=spec.name)
+    where = str(raw.weights_file)
+    state_dict, identity = check_and_convert(raw.state_dict, spec, where=where)
+    if raw.config is not None:
+        check_diffusers_config(raw.config, spec, where=where)
+    sha, published, notes = _verify_published(raw.weights_file, spec, published_size, published_sha256)
+    if need_sha and sha is None:
+        sha = file_sha256(raw.weights_file)
+    dtypes = {str(v.dtype) for v in raw.state_dict.values()}
+    if dtypes != {"torch.float32"}:
+        notes += (f"source tensors {sorted(dtypes)} upcast to float32",)
+    return state_dict, describe_source(raw, identity, sha256=sha, published=published, notes=notes)
+
+
 def load_wan_video_codec(
     path: str | os.PathLike[str] | None,
     variant: str = TEACHER_VARIANT,
@@ -308,38 +335,13 @@ def load_wan_video_codec(
             shapes, or a published-size file whose SHA256 differs.
         ArtifactMismatchError: the FP8 artifact belongs to other weights or geometry (nothing was changed).
     """
-    refuse_codec_options(refused_options)
-    check_purpose_and_dtype(purpose, dtype)
-    spec = get_variant(variant)
-    if fp8_calibration is not None and spec.name != STUDENT_VARIANT:
-        raise UnsupportedCodecOptionError(
-            "vae_fp8_calibration", f"FP8 encoder calibration requires variant={STUDENT_VARIANT!r}, got {spec.name!r}"
-        )
-    if fp8_backend not in FP8_BACKENDS:
-        raise UnsupportedCodecOptionError("fp8_backend", f"expected one of {FP8_BACKENDS}, got {fp8_backend!r}")
-    try:
-        target = parse_device(device)
-    except PolicyError as exc:
-        raise UnsupportedCodecOptionError("device", str(exc)) from exc
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedCodecOptionError("device", f"{target} requested but CUDA is not available; pass device='cpu'")
-
+    spec, target = check_load_arguments(variant, device, dtype, fp8_calibration, fp8_backend, purpose,
+                                        refused_options)
     source: CodecSource | None = None
     state_dict: dict[str, torch.Tensor] | None = None
     if path is not None:
-        raw = read_checkpoint(path, recipe=spec.name)
-        where = str(raw.weights_file)
-        state_dict, identity = check_and_convert(raw.state_dict, spec, where=where)
-        if raw.config is not None:
-            check_diffusers_config(raw.config, spec, where=where)
-        sha, published, notes = _verify_published(raw.weights_file, spec, published_size, published_sha256)
-        if fp8_calibration is not None and sha is None:
-            sha = file_sha256(raw.weights_file)
-        dtypes = {str(v.dtype) for v in raw.state_dict.values()}
-        if dtypes != {"torch.float32"}:
-            notes += (f"source tensors {sorted(dtypes)} upcast to float32",)
-        source = describe_source(raw, identity, sha256=sha, published=published, notes=notes)
-        del raw
+        state_dict, source = _read_codec_source(path, spec, published_size, published_sha256,
+                                                need_sha=fp8_calibration is not None)
     if fp8_calibration is not None:
         _early_artifact_check(fp8_calibration, source)
     module = _build_module(spec, state_dict, target, seed)

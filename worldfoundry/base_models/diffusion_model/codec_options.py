@@ -12,8 +12,18 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.model_loading.policy import dtype_name, parse_dtype
+from worldfoundry.base_models.diffusion_model.codec_checkpoints import (
+    STUDENT_VARIANT,
+    TEACHER_VARIANT,
+    CodecVariant,
+    get_variant,
+)
+from worldfoundry.base_models.runtime_options import VAE_FP8_CALIBRATION
+from worldfoundry.core.model_loading.policy import dtype_name, parse_device, parse_dtype
 from worldfoundry.errors import PolicyError, UnsupportedCodecOptionError
+
+#: FP8 encoder backends of the student codec.
+FP8_BACKENDS: Final = ("auto", "scaled_mm", "reference")
 
 _OFF_VALUES: Final = (None, False, 0, "none", "off", "false", "no", "disabled")
 
@@ -82,3 +92,48 @@ def check_purpose_and_dtype(purpose: str, dtype: Any) -> torch.dtype:
 
 
 __all__ = ["REFUSED_OPTIONS", "check_purpose_and_dtype", "refuse_codec_options"]
+
+
+def refuse_calibration_for_recipe_codec(codec_options: Mapping[str, Any], runtime_options: Mapping[str, Any]) -> None:
+    """Refuse the runtime option ``vae_fp8_calibration`` when the recipe's own codec (no FP8 encoder) is chosen.
+
+    Args:
+        codec_options: the codec's component options (``component_options["latent_encoder:codec"]``).
+        runtime_options: the runtime policy's options.
+
+    Raises:
+        UnsupportedCodecOptionError: a calibration path without the student codec's variant.
+    """
+    if codec_options.get("variant", TEACHER_VARIANT) == TEACHER_VARIANT and runtime_options.get(VAE_FP8_CALIBRATION):
+        raise UnsupportedCodecOptionError(
+            VAE_FP8_CALIBRATION, "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 "
+            "encoder calibration needs the student codec's variant in component_options['latent_encoder:codec']")
+
+
+def check_load_arguments(variant: str, device: Any, dtype: Any, fp8_calibration: Any, fp8_backend: str,
+                         purpose: str, refused_options: Mapping[str, Any]) -> tuple[CodecVariant, torch.device]:
+    """Check ``load_wan_video_codec``'s arguments before anything is read.
+
+    Returns:
+        ``(variant spec, target device)``.
+
+    Raises:
+        UnsupportedCodecOptionError: a refused option, a non-float32 dtype, FP8 with the teacher, an unknown FP8
+            backend or an unusable device.
+    """
+    refuse_codec_options(refused_options)
+    check_purpose_and_dtype(purpose, dtype)
+    spec = get_variant(variant)
+    if fp8_calibration is not None and spec.name != STUDENT_VARIANT:
+        raise UnsupportedCodecOptionError(
+            "vae_fp8_calibration", f"FP8 encoder calibration requires variant={STUDENT_VARIANT!r}, got {spec.name!r}"
+        )
+    if fp8_backend not in FP8_BACKENDS:
+        raise UnsupportedCodecOptionError("fp8_backend", f"expected one of {FP8_BACKENDS}, got {fp8_backend!r}")
+    try:
+        target = parse_device(device)
+    except PolicyError as exc:
+        raise UnsupportedCodecOptionError("device", str(exc)) from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedCodecOptionError("device", f"{target} requested but CUDA is not available; pass device='cpu'")
+    return spec, target

@@ -31,7 +31,7 @@ from worldfoundry.base_models.diffusion_model.request import DiffusionRequest, D
 from worldfoundry.base_models.diffusion_model.runner import NativeRunner
 from worldfoundry.base_models.diffusion_model.vae_codec import VaeLatentCodec, video_to_uint8
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.core.model_loading.loader import LoadedComponents, load_components
+from worldfoundry.core.model_loading.loader import LoadedComponents, load_components, split_component_options
 from worldfoundry.core.model_loading.policy import RuntimePolicy, normalize_acceleration_spec
 from worldfoundry.core.model_loading.recipes import Recipe, available_recipes, load_recipe
 from worldfoundry.errors import (
@@ -149,6 +149,11 @@ class NativeDiffusionPipeline:
         """
         policy = policy or RuntimePolicy()
         recipe, inferred_dir = resolve_recipe(recipe_or_dir)
+        if recipe.component("codec") is not None:  # fail before loading anything
+            from worldfoundry.base_models.diffusion_model.codec_options import refuse_calibration_for_recipe_codec
+
+            codec_options = split_component_options(component_options).get("codec", {})
+            refuse_calibration_for_recipe_codec(codec_options, policy.options)
         loaded = load_components(recipe, policy, checkpoint_dir=checkpoint_dir or inferred_dir,
                                  checkpoint_overrides=checkpoint_overrides, component_options=component_options,
                                  random_weights=random_weights)

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import importlib.metadata as importlib_metadata
-import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import pluggy
+from typing import Any, ClassVar
 
 from worldfoundry.core.acceleration import hookspecs
-from worldfoundry.errors import DuplicateAccelerationError, PluginLoadError, UnknownAccelerationError
+from worldfoundry.core.acceleration.discovery import (  # re-exported: the registry's public names
+    PLUGIN_ALLOWLIST_ENV,
+    EntryPointDiscovered,
+    PluginLoadRecord,
+    parse_allowlist,
+)
+from worldfoundry.errors import DuplicateAccelerationError, UnknownAccelerationError
 
-logger = logging.getLogger(__name__)
-
-PLUGIN_ALLOWLIST_ENV = "WORLDFOUNDRY_PLUGINS"
 
 #: Built-in acceleration name -> the distribution (under ``plugins/``) that registers it; the ``all`` extra of
 #: the core distribution lists the same distributions.
@@ -62,38 +61,7 @@ class RegisteredAcceleration:
         }
 
 
-@dataclass(frozen=True)
-class PluginLoadRecord:
-    """What happened to one entry point during discovery."""
-
-    entry_point: str
-    value: str
-    distribution: str
-    version: str
-    status: str  # "loaded" | "failed" | "skipped (not in WORLDFOUNDRY_PLUGINS)"
-    names: tuple[str, ...] = ()
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "entry_point": self.entry_point,
-            "value": self.value,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status,
-            "names": list(self.names),
-            "error": self.error,
-        }
-
-
-def parse_allowlist(value: str | None) -> frozenset[str] | None:
-    """``None`` (unset) allows everything; ``""`` allows nothing; otherwise comma-separated names."""
-    if value is None:
-        return None
-    return frozenset(part.strip() for part in value.split(",") if part.strip())
-
-
-class AccelerationRegistry:
+class AccelerationRegistry(EntryPointDiscovered):
     """Maps acceleration names to prepare factories.
 
     Build fresh ones in tests; :func:`diffusion_acceleration_registry` returns the process default.
@@ -110,6 +78,8 @@ class AccelerationRegistry:
         ('noop',)
     """
 
+    hook_name: ClassVar[str] = "register_diffusion_accelerations"
+
     def __init__(
         self,
         *,
@@ -118,15 +88,8 @@ class AccelerationRegistry:
         allowlist: Iterable[str] | None = None,
     ) -> None:
         self._entries: dict[str, RegisteredAcceleration] = {}
-        self._lock = threading.RLock()
         self._discover = discover
-        self._discovered = not discover
-        self._group = entry_point_group
-        self._allowlist = frozenset(allowlist) if allowlist is not None else None
-        self._load_records: list[PluginLoadRecord] = []
-        self._load_errors: list[PluginLoadError] = []
-        self._plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        self._plugin_manager.add_hookspecs(hookspecs)
+        self._init_discovery(discover=discover, entry_point_group=entry_point_group, allowlist=allowlist)
 
     # ------------------------------------------------------------------ registration
     def register(
@@ -199,81 +162,29 @@ class AccelerationRegistry:
         with self._lock:
             return name in self._entries
 
-    def load_records(self) -> tuple[PluginLoadRecord, ...]:
-        """What discovery did for each entry point (loaded / failed / skipped)."""
-        self._ensure_discovered()
-        return tuple(self._load_records)
-
-    def load_errors(self) -> tuple[PluginLoadError, ...]:
-        """One :class:`PluginLoadError` per entry point that failed to load (its ``cause`` is the original error)."""
-        self._ensure_discovered()
-        with self._lock:
-            return tuple(self._load_errors)
-
     # ------------------------------------------------------------------ discovery
-    def _ensure_discovered(self) -> None:
-        if self._discovered:
-            return
-        with self._lock:
-            if self._discovered:
-                return
-            self._discovered = True
-            self._discover_entry_points()
+    def _entry_point_register(self, ep: Any, dist: str, version: str) -> tuple[Callable[..., None],
+                                                                               Callable[[], tuple[str, ...]]]:
+        """The ``register`` handed to one entry point's hooks (staging), and the ``commit`` that applies it."""
+        registered: list[str] = []
+        staged: dict[str, RegisteredAcceleration] = {}
 
-    def _discover_entry_points(self) -> None:
-        allow = self._allowlist if self._allowlist is not None else parse_allowlist(os.environ.get(PLUGIN_ALLOWLIST_ENV))
-        for ep in sorted(importlib_metadata.entry_points(group=self._group), key=lambda e: e.name):
-            dist_name = ep.dist.name if ep.dist is not None else "<unknown>"
-            dist_version = ep.dist.version if ep.dist is not None else "<unknown>"
-            if allow is not None and ep.name not in allow and dist_name not in allow:
-                self._load_records.append(
-                    PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, f"skipped (not in {PLUGIN_ALLOWLIST_ENV})")
+        def register(name: str, prepare_factory: Callable[..., Any], *, options: type | None = None,
+                     replace: bool = False) -> None:
+            _validate_registration(name, prepare_factory, options)
+            if not replace and (name in self._entries or name in staged):
+                raise DuplicateAccelerationError(
+                    f"acceleration {name!r} registered twice (second time by {dist}); pass replace=True"
                 )
-                continue
-            registered: list[str] = []
-            staged: dict[str, RegisteredAcceleration] = {}
+            staged[name] = RegisteredAcceleration(
+                name, prepare_factory, dist, version, f"{ep.name} = {ep.value}", _options_of(prepare_factory, options))
+            registered.append(name)
 
-            def register(name: str, prepare_factory: Callable[..., Any], *, options: type | None = None,
-                         replace: bool = False, _ep: Any = ep, _dist: str = dist_name, _ver: str = dist_version) -> None:
-                _validate_registration(name, prepare_factory, options)
-                if not replace and (name in self._entries or name in staged):
-                    raise DuplicateAccelerationError(
-                        f"acceleration {name!r} registered twice (second time by {_dist}); pass replace=True"
-                    )
-                staged[name] = RegisteredAcceleration(
-                    name, prepare_factory, _dist, _ver, f"{_ep.name} = {_ep.value}", _options_of(prepare_factory, options))
-                registered.append(name)
+        def commit() -> tuple[str, ...]:
+            self._entries.update(staged)
+            return tuple(registered)
 
-            try:
-                module = ep.load()
-                plugin_name = self._plugin_manager.get_name(module)  # two entry points may name one module
-                if plugin_name is None:
-                    plugin_name = f"{dist_name}:{ep.name}"
-                    self._plugin_manager.register(module, name=plugin_name)
-                impls = [
-                    impl
-                    for impl in self._plugin_manager.hook.register_diffusion_accelerations.get_hookimpls()
-                    if impl.plugin_name == plugin_name
-                ]
-                if not impls:
-                    raise LookupError(
-                        f"entry point {ep.value!r} defines no @worldfoundry.hookimpl register_diffusion_accelerations"
-                    )
-                for impl in impls:
-                    impl.function(register=register)
-                for name, entry in staged.items():
-                    self._entries[name] = entry
-            except Exception as exc:  # a broken plugin must not break the others
-                error = PluginLoadError(dist_name, ep.name, exc)
-                logger.warning("%s", error)
-                self._load_errors.append(error)
-                self._load_records.append(
-                    PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "failed", (), f"{type(exc).__name__}: {exc}")
-                )
-                continue
-            self._load_records.append(
-                PluginLoadRecord(ep.name, ep.value, dist_name, dist_version, "loaded", tuple(registered))
-            )
+        return register, commit
 
 
 def _validate_registration(name: Any, prepare_factory: Any, options: Any = None) -> None:
@@ -304,3 +215,14 @@ def diffusion_acceleration_registry() -> AccelerationRegistry:
         if _DEFAULT_REGISTRY is None:
             _DEFAULT_REGISTRY = AccelerationRegistry(discover=True)
         return _DEFAULT_REGISTRY
+
+
+__all__ = [
+    "PLUGIN_ALLOWLIST_ENV",
+    "AccelerationRegistry",
+    "PluginLoadRecord",
+    "RegisteredAcceleration",
+    "bundled_distribution",
+    "diffusion_acceleration_registry",
+    "parse_allowlist",
+]

@@ -19,25 +19,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata as importlib_metadata
-import logging
-import os
 import threading
-from collections.abc import Iterable
-from typing import Any
-
-import pluggy
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 from worldfoundry.core.acceleration import hookspecs
-from worldfoundry.core.acceleration.registry import PLUGIN_ALLOWLIST_ENV, PluginLoadRecord, parse_allowlist
+from worldfoundry.core.acceleration.discovery import EntryPointDiscovered
 from worldfoundry.core.attention.builtin_providers import builtin_providers
 from worldfoundry.core.attention.providers import AttentionProvider
-from worldfoundry.errors import DuplicateAttentionProviderError, PluginLoadError, UnknownAttentionProviderError
-
-logger = logging.getLogger(__name__)
+from worldfoundry.errors import DuplicateAttentionProviderError, UnknownAttentionProviderError
 
 
-class AttentionProviderRegistry:
+class AttentionProviderRegistry(EntryPointDiscovered):
     """Maps attention provider names to providers.
 
     Build fresh ones in tests; :func:`attention_provider_registry` returns the process default.
@@ -48,18 +41,13 @@ class AttentionProviderRegistry:
         builtins: register the PyTorch SDPA providers (``sdpa``, ``sdpa_flash``, ...).
     """
 
+    hook_name: ClassVar[str] = "register_attention_providers"
+
     def __init__(self, *, discover: bool = True,
                  entry_point_group: str = hookspecs.ATTENTION_PROVIDER_ENTRY_POINT_GROUP,
                  allowlist: Iterable[str] | None = None, builtins: bool = True) -> None:
         self._providers: dict[str, AttentionProvider] = {}
-        self._lock = threading.RLock()
-        self._discovered = not discover
-        self._group = entry_point_group
-        self._allowlist = frozenset(allowlist) if allowlist is not None else None
-        self._load_records: list[PluginLoadRecord] = []
-        self._load_errors: list[PluginLoadError] = []
-        self._plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        self._plugin_manager.add_hookspecs(hookspecs)
+        self._init_discovery(discover=discover, entry_point_group=entry_point_group, allowlist=allowlist)
         if builtins:
             for provider in builtin_providers():
                 self._providers[provider.name] = provider
@@ -128,35 +116,10 @@ class AttentionProviderRegistry:
         with self._lock:
             return name in self._providers
 
-    def load_records(self) -> tuple[PluginLoadRecord, ...]:
-        self._ensure_discovered()
-        return tuple(self._load_records)
-
-    def load_errors(self) -> tuple[PluginLoadError, ...]:
-        self._ensure_discovered()
-        with self._lock:
-            return tuple(self._load_errors)
-
     # ------------------------------------------------------------------ discovery
-    def _ensure_discovered(self) -> None:
-        if self._discovered:
-            return
-        with self._lock:
-            if self._discovered:
-                return
-            self._discovered = True
-            allow = self._allowlist if self._allowlist is not None else parse_allowlist(
-                os.environ.get(PLUGIN_ALLOWLIST_ENV))
-            for ep in sorted(importlib_metadata.entry_points(group=self._group), key=lambda e: e.name):
-                self._load_entry_point(ep, allow)
-
-    def _load_entry_point(self, ep: Any, allow: frozenset[str] | None) -> None:
-        dist = ep.dist.name if ep.dist is not None else "<unknown>"
-        version = ep.dist.version if ep.dist is not None else "<unknown>"
-        if allow is not None and ep.name not in allow and dist not in allow:
-            self._load_records.append(
-                PluginLoadRecord(ep.name, ep.value, dist, version, f"skipped (not in {PLUGIN_ALLOWLIST_ENV})"))
-            return
+    def _entry_point_register(self, ep: Any, dist: str, version: str) -> tuple[Callable[..., None],
+                                                                               Callable[[], tuple[str, ...]]]:
+        """The ``register`` handed to one entry point's hooks (staging), and the ``commit`` that applies it."""
         staged: dict[str, AttentionProvider] = {}
 
         def register(provider: AttentionProvider, *, replace: bool = False) -> None:
@@ -164,28 +127,11 @@ class AttentionProviderRegistry:
             provider = dataclasses.replace(provider, distribution=provider.distribution or dist)
             self._add(provider, replace=replace, staged=staged)
 
-        try:
-            module = ep.load()
-            plugin_name = self._plugin_manager.get_name(module)
-            if plugin_name is None:
-                plugin_name = f"{dist}:{ep.name}"
-                self._plugin_manager.register(module, name=plugin_name)
-            impls = [impl for impl in self._plugin_manager.hook.register_attention_providers.get_hookimpls()
-                     if impl.plugin_name == plugin_name]
-            if not impls:
-                raise LookupError(f"entry point {ep.value!r} defines no @worldfoundry.hookimpl "
-                                  "register_attention_providers")
-            for impl in impls:
-                impl.function(register=register)
-        except Exception as exc:  # a broken distribution must not break the others
-            error = PluginLoadError(dist, ep.name, exc)
-            logger.warning("%s", error)
-            self._load_errors.append(error)
-            self._load_records.append(
-                PluginLoadRecord(ep.name, ep.value, dist, version, "failed", (), f"{type(exc).__name__}: {exc}"))
-            return
-        self._providers.update(staged)
-        self._load_records.append(PluginLoadRecord(ep.name, ep.value, dist, version, "loaded", tuple(staged)))
+        def commit() -> tuple[str, ...]:
+            self._providers.update(staged)
+            return tuple(staged)
+
+        return register, commit
 
 
 def _validate(provider: Any) -> None:

@@ -158,30 +158,7 @@ def load_components(
         loaded.scheduler = import_class(sched.class_path, recipe=recipe.name, component="scheduler").from_config(
             dict(sched.config)
         )
-        codec_spec = recipe.component("codec")
-        codec_variant = comp_opts.get("codec", {}).get("variant", "wan2.1")
-        if codec_spec is not None and codec_variant != "wan2.1":
-            # another codec variant (a student codec): built by the pipeline from these options
-            loaded.codec_options = {"recipe_default_tiled": bool(codec_spec.get("tiled", False)),
-                                    "path": _override_for("codec", overrides), **comp_opts["codec"]}
-        elif codec_spec is not None:
-            options = {"tiled": bool(codec_spec.get("tiled", False)), **comp_opts.get("codec", {})}
-            unknown = sorted(set(options) - {"tiled", "dtype", "vae_dtype", "variant"})
-            if unknown or policy.options.get("vae_fp8_calibration"):
-                from worldfoundry.errors import UnsupportedCodecOptionError
-
-                name = (unknown or ["vae_fp8_calibration"])[0]
-                raise UnsupportedCodecOptionError(
-                    name, "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 encoder "
-                    "calibration needs the student codec's variant in component_options['latent_encoder:codec']")
-            dtype = _dtype_for("codec", policy, options)
-            module, source = _load_module(
-                codec_spec, recipe, subfolder=codec_spec.subfolder, override=_override_for("codec", overrides),
-                random=random, seed=recipe.seed + _SEED_OFFSETS["codec"], checkpoint_dir=ckpt, device=device,
-                dtype=dtype,
-            )
-            loaded.codec_module, loaded.codec_options = module, {**options, "dtype": dtype}
-            loaded.sources.append(source)
+        _load_codec(loaded, recipe, policy, comp_opts, overrides, random, ckpt)
     except BaseException:
         loaded.release()
         del loaded
@@ -190,6 +167,39 @@ def load_components(
             torch.cuda.empty_cache()
         raise
     return loaded
+
+
+def _load_codec(loaded: LoadedComponents, recipe: Recipe, policy: RuntimePolicy,
+                comp_opts: Mapping[str, Mapping[str, Any]], overrides: Mapping[str, Any], random: bool,
+                ckpt: str | None) -> None:
+    """Load the recipe's own codec, or keep the options of another codec variant for the pipeline to build.
+
+    Raises:
+        UnsupportedCodecOptionError: an option the recipe's own codec does not take.
+    """
+    codec_spec = recipe.component("codec")
+    codec_variant = comp_opts.get("codec", {}).get("variant", "wan2.1")
+    if codec_spec is not None and codec_variant != "wan2.1":
+        # another codec variant (a student codec): built by the pipeline from these options
+        loaded.codec_options = {"recipe_default_tiled": bool(codec_spec.get("tiled", False)),
+                                "path": _override_for("codec", overrides), **comp_opts["codec"]}
+    elif codec_spec is not None:
+        options = {"tiled": bool(codec_spec.get("tiled", False)), **comp_opts.get("codec", {})}
+        unknown = sorted(set(options) - {"tiled", "dtype", "vae_dtype", "variant"})
+        if unknown:
+            from worldfoundry.errors import UnsupportedCodecOptionError
+
+            raise UnsupportedCodecOptionError(
+                unknown[0], "not available for the recipe's own codec (options: tiled, dtype, variant); FP8 encoder "
+                "calibration needs the student codec's variant in component_options['latent_encoder:codec']")
+        dtype = _dtype_for("codec", policy, options)
+        module, source = _load_module(
+            codec_spec, recipe, subfolder=codec_spec.subfolder, override=_override_for("codec", overrides),
+            random=random, seed=recipe.seed + _SEED_OFFSETS["codec"], checkpoint_dir=ckpt, device=policy.device,
+            dtype=dtype,
+        )
+        loaded.codec_module, loaded.codec_options = module, {**options, "dtype": dtype}
+        loaded.sources.append(source)
 
 
 def _load_text_side(loaded: LoadedComponents, recipe: Recipe, policy: RuntimePolicy,

@@ -10,16 +10,17 @@ from typing import Any, Final
 import torch
 
 from worldfoundry.core.acceleration.spec import freeze_options, normalize_acceleration_spec, thaw_options
+from worldfoundry.core.model_loading.runtime_options import check_declared_option, declared_runtime_options
 from worldfoundry.errors import PolicyError
 
-#: Option keys a policy understands. Unknown keys are rejected so typos never pass silently.
+#: Option keys core itself reads. A policy also accepts the options the layers above declare
+#: (:mod:`worldfoundry.core.model_loading.runtime_options`); unknown keys are rejected so typos never pass silently.
 KNOWN_OPTION_KEYS: Final[frozenset[str]] = frozenset(
     {
         "accelerations",  # mapping name -> options mapping (or True for defaults)
         "dit_weight_dtype",  # dtype for DiT weights (fp32 modules stay fp32)
         "text_encoder_dtype",  # dtype for text encoders
         "vae_dtype",  # dtype for the video codec
-        "vae_fp8_calibration",  # path of the video codec's FP8 encoder calibration artifact (read by the codec)
         "progress",  # bool: show tqdm progress bars
     }
 )
@@ -36,6 +37,11 @@ _DTYPE_ALIASES: Final[dict[str, torch.dtype]] = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
+
+
+def known_option_keys() -> frozenset[str]:
+    """Core's option keys plus those declared by the layers above (a fresh snapshot)."""
+    return KNOWN_OPTION_KEYS | frozenset(declared_runtime_options())
 
 
 def parse_dtype(value: Any, *, field_name: str = "dtype") -> torch.dtype:
@@ -84,7 +90,7 @@ class RuntimePolicy:
     Args:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``.
         dtype: compute dtype (``torch.bfloat16`` or ``"bf16"`` etc.).
-        options: runtime options; keys must be in :data:`KNOWN_OPTION_KEYS`.
+        options: runtime options; keys must be in :func:`known_option_keys`.
 
     Example:
         >>> policy = RuntimePolicy(device="cpu", dtype="fp32",
@@ -102,11 +108,10 @@ class RuntimePolicy:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if not isinstance(self.options, Mapping):
             raise PolicyError(f"options: expected a mapping, got {type(self.options).__name__}")
-        unknown = sorted(set(self.options) - KNOWN_OPTION_KEYS)
+        known = known_option_keys()
+        unknown = sorted(set(self.options) - known)
         if unknown:
-            raise PolicyError(
-                f"options: unknown key(s) {unknown}; known keys: {sorted(KNOWN_OPTION_KEYS)}"
-            )
+            raise PolicyError(f"options: unknown key(s) {unknown}; known keys: {sorted(known)}")
         opts = dict(self.options)
         if "accelerations" in opts:
             opts["accelerations"] = normalize_acceleration_spec(opts["accelerations"], where="options.accelerations")
@@ -115,10 +120,9 @@ class RuntimePolicy:
                 opts[key] = parse_dtype(opts[key], field_name=f"options.{key}")
         if "progress" in opts and not isinstance(opts["progress"], bool):
             raise PolicyError(f"options.progress: expected true/false, got {opts['progress']!r}")
-        if "vae_fp8_calibration" in opts and opts["vae_fp8_calibration"] is not None:
-            if not isinstance(opts["vae_fp8_calibration"], str | os.PathLike):
-                raise PolicyError("options.vae_fp8_calibration: expected a file path")
-            opts["vae_fp8_calibration"] = os.fspath(opts["vae_fp8_calibration"])
+        for key in known - KNOWN_OPTION_KEYS:
+            if key in opts:
+                opts[key] = check_declared_option(key, opts[key])
         object.__setattr__(self, "options", _freeze(opts))
 
     # ------------------------------------------------------------------ accessors
@@ -128,8 +132,9 @@ class RuntimePolicy:
         return thaw(self.options.get("accelerations", {}))
 
     def option(self, key: str, default: Any = None) -> Any:
-        if key not in KNOWN_OPTION_KEYS:
-            raise PolicyError(f"unknown option {key!r}; known keys: {sorted(KNOWN_OPTION_KEYS)}")
+        known = known_option_keys()
+        if key not in known:
+            raise PolicyError(f"unknown option {key!r}; known keys: {sorted(known)}")
         return self.options.get(key, default)
 
     def replace(self, **changes: Any) -> RuntimePolicy:

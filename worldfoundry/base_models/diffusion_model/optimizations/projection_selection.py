@@ -111,6 +111,37 @@ def _describe_miss(model: nn.Module, pattern: str, linear_names: Sequence[str]) 
     return "; ".join(parts)
 
 
+def _refuse_unchangeable(model: nn.Module, selected: Sequence[SelectedLinear], *, plugin: str) -> None:
+    """Refuse Linear subclasses, Linears with an instance-level ``forward`` and modules reachable under two names.
+
+    Raises:
+        AccelerationRefusedError: naming the modules and what to do.
+    """
+    odd = [f"{s.path} ({type(s.module).__module__}.{type(s.module).__qualname__})"
+           for s in selected if type(s.module) is not nn.Linear]
+    if odd:
+        raise AccelerationRefusedError(
+            plugin, f"only plain torch.nn.Linear can be changed; these are Linear subclasses with their own "
+            f"behaviour: {', '.join(odd[:6])}{' ...' if len(odd) > 6 else ''}; exclude them"
+        )
+    custom = [s.path for s in selected if "forward" in s.module.__dict__]
+    if custom:
+        raise AccelerationRefusedError(
+            plugin, f"these Linears have a replaced forward (another patch or wrapper is active): "
+            f"{', '.join(custom[:6])}{' ...' if len(custom) > 6 else ''}; remove it or exclude them"
+        )
+    paths_by_id: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            paths_by_id.setdefault(id(module), []).append(name)
+    shared = [f"{s.path} (also {', '.join(p for p in paths_by_id[id(s.module)] if p != s.path)})"
+              for s in selected if len(paths_by_id.get(id(s.module), ())) > 1]
+    if shared:
+        raise AccelerationRefusedError(
+            plugin, f"these Linears are reachable under several names (one module used twice): {', '.join(shared[:4])}"
+        )
+
+
 def select_linears(
     model: nn.Module,
     include: Iterable[str],
@@ -163,29 +194,7 @@ def select_linears(
             plugin,
             f"the exclude patterns {exclude} remove every Linear matched by {include}; nothing is left to change",
         )
-    odd = [f"{s.path} ({type(s.module).__module__}.{type(s.module).__qualname__})"
-           for s in selected if type(s.module) is not nn.Linear]
-    if odd:
-        raise AccelerationRefusedError(
-            plugin, f"only plain torch.nn.Linear can be changed; these are Linear subclasses with their own "
-            f"behaviour: {', '.join(odd[:6])}{' ...' if len(odd) > 6 else ''}; exclude them"
-        )
-    custom = [s.path for s in selected if "forward" in s.module.__dict__]
-    if custom:
-        raise AccelerationRefusedError(
-            plugin, f"these Linears have a replaced forward (another patch or wrapper is active): "
-            f"{', '.join(custom[:6])}{' ...' if len(custom) > 6 else ''}; remove it or exclude them"
-        )
-    paths_by_id: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if name:
-            paths_by_id.setdefault(id(module), []).append(name)
-    shared = [f"{s.path} (also {', '.join(p for p in paths_by_id[id(s.module)] if p != s.path)})"
-              for s in selected if len(paths_by_id.get(id(s.module), ())) > 1]
-    if shared:
-        raise AccelerationRefusedError(
-            plugin, f"these Linears are reachable under several names (one module used twice): {', '.join(shared[:4])}"
-        )
+    _refuse_unchangeable(model, selected, plugin=plugin)
     return selected
 
 
