@@ -247,27 +247,33 @@ def fingerprint(model: nn.Module, *, forward: Callable[[nn.Module], torch.Tensor
     )
 
 
+def _expect(condition: object, message: str) -> None:
+    """``AssertionError(message)`` unless ``condition`` (kept under ``python -O``, unlike ``assert``)."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def assert_same_model(before: ModelFingerprint, after: ModelFingerprint) -> None:
     """Module tree, attributes, hooks, parameter identities, state dict values and output: all identical.
 
     Raises:
         AssertionError: naming the first difference.
     """
-    assert after.modules == before.modules, "module tree changed"
+    _expect(after.modules == before.modules, "module tree changed")
     for key in before.attrs:
         added = sorted(set(after.attrs[key]) - set(before.attrs[key]))
         removed = sorted(set(before.attrs[key]) - set(after.attrs[key]))
         changed = sorted(k for k in before.attrs[key]
                          if k in after.attrs[key] and after.attrs[key][k] != before.attrs[key][k])
-        assert not (added or removed or changed), f"{key}: attributes added {added} removed {removed} changed {changed}"
-        assert after.dicts[key] == before.dicts[key], f"{key}: parameter/buffer/module/hook dictionaries changed"
-        assert after.non_persistent[key] == before.non_persistent[key], f"{key}: non-persistent buffer set changed"
-    assert after.param_ids == before.param_ids, "parameter identities changed"
-    assert list(after.state) == list(before.state), "state dict keys changed"
+        _expect(not (added or removed or changed), f"{key}: attributes added {added} removed {removed} changed {changed}")
+        _expect(after.dicts[key] == before.dicts[key], f"{key}: parameter/buffer/module/hook dictionaries changed")
+        _expect(after.non_persistent[key] == before.non_persistent[key], f"{key}: non-persistent buffer set changed")
+    _expect(after.param_ids == before.param_ids, "parameter identities changed")
+    _expect(list(after.state) == list(before.state), "state dict keys changed")
     for k, v in before.state.items():
-        assert after.state[k].dtype == v.dtype and torch.equal(after.state[k], v), f"state dict value {k} changed"
+        _expect(after.state[k].dtype == v.dtype and torch.equal(after.state[k], v), f"state dict value {k} changed")
     if before.output is not None and after.output is not None:
-        assert torch.equal(after.output, before.output), "forward output is not bitwise identical"
+        _expect(torch.equal(after.output, before.output), "forward output is not bitwise identical")
 
 
 def assert_restored(model: nn.Module, before: ModelFingerprint) -> None:

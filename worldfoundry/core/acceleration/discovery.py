@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import importlib.metadata as importlib_metadata
 import logging
@@ -126,7 +128,7 @@ def _call_hook(ep: Any, dist: str, hook_name: str, plugin_manager: pluggy.Plugin
         impl.function(register=register)
 
 
-class EntryPointDiscovered:
+class EntryPointDiscovered(abc.ABC):
     """Base of a registry filled lazily from one entry-point group: the lock, the records and the errors.
 
     A subclass sets :attr:`hook_name`, calls :meth:`_init_discovery` in ``__init__`` and implements
@@ -153,9 +155,10 @@ class EntryPointDiscovered:
         self._plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._plugin_manager.add_hookspecs(hookspecs)
 
+    @abc.abstractmethod
     def _entry_point_register(self, ep: Any, dist: str, version: str) -> tuple[Callable[..., None],
                                                                                Callable[[], tuple[str, ...]]]:
-        raise NotImplementedError
+        """The ``register`` callback handed to one entry point's hook, and a function naming what it staged."""
 
     def _ensure_discovered(self) -> None:
         if self._discovered:
