@@ -7,6 +7,10 @@ without peers. Prints per candidate both verdicts, medians and CI half-widths, t
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
     python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
+
+The two runs can also be made in two device calls (each call has a time limit): ``--runs a`` writes the
+summary of run A only; ``--runs b --previous path/to/w17_stability.json`` runs B and compares it with the A of
+that earlier summary (the comparison then spans two processes, and possibly two machines: a stricter test).
 """
 
 from __future__ import annotations
@@ -51,12 +55,21 @@ def main() -> int:
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
     p.add_argument("--time-budget", type=float, default=6.0)
     p.add_argument("--max-rounds", type=int, default=20)
+    p.add_argument("--runs", default="a,b", help="which runs to make here: a (with peers), b, or a,b")
+    p.add_argument("--previous", default=None, help="an earlier w17_stability.json whose runs are kept")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
-    a = one_run("w17a", out, args, ["eager", "compile", "fbcache", "dbcache", "float8"])
-    b = one_run("w17b", out, args, None)
+    runs = {tag.strip() for tag in args.runs.split(",") if tag.strip()}
+    if not runs <= {"a", "b"}:
+        p.error(f"--runs: expected a, b or a,b, got {args.runs!r}")
     summary: dict[str, Any] = {"candidates": {}, "peers": [], "runs": {}}
+    if args.previous:
+        summary = json.loads(Path(args.previous).read_text(encoding="utf-8"))
+    a = one_run("w17a", out, args, ["eager", "compile", "fbcache", "dbcache", "float8"]) if "a" in runs else None
+    b = one_run("w17b", out, args, None) if "b" in runs else None
+    if a:
+        summary["peers"] = []
     for tag, res in (("a", a), ("b", b)):
         if res:
             summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),

@@ -145,3 +145,19 @@ def test_estimate_residency_device_and_out_are_checked_first(tmp_path, capsys):
                  "--out", str(tmp_path / "o")]) == 2
     assert f"--device: {UNUSABLE_CUDA}" in one_line_error(capsys, "estimate-residency")
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_unknown_peer_is_refused_before_any_work(tmp_path, capsys, no_model_loading):
+    assert main(["bench", "--out", str(tmp_path / "out"), "--peers", "eager,cachedit"]) == 2
+    err = one_line_error(capsys, "bench")
+    assert "--peers: unknown peer(s) cachedit; known: eager, compile, fbcache, dbcache, float8" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("given", "names"), [(["eager,compile"], ["eager", "compile"]),
+                                              (["eager", "fbcache"], ["eager", "fbcache"]), ([], ["all"])])
+def test_bench_peers_separated_by_commas_or_spaces(given, names):
+    from worldfoundry.cli.bench_cmd import peer_names
+
+    assert peer_names(given) == names
+    assert peer_names(None) is None

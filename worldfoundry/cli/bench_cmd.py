@@ -53,7 +53,26 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-noise-floor", type=float, default=1.05,
                    help="dense-vs-dense CI upper bound above which no speed verdicts are given (default 1.05)")
     p.add_argument("--peers", nargs="*", default=None,
-                   help="reference rows: eager compile fbcache dbcache float8 (no names: all that apply)")
+                   help="reference rows: eager compile fbcache dbcache float8, separated by spaces or commas "
+                        "(no names: all that apply)")
+
+
+def peer_names(values: list[str] | None) -> list[str] | None:
+    """``--peers`` as a list of names (commas and spaces both separate; ``[]`` means all that apply).
+
+    Raises:
+        CommandLineError: an unknown peer name (checked before any model is built).
+    """
+    if values is None:
+        return None
+    from worldfoundry.bench.peers import KNOWN_PEERS
+
+    names = [name for value in values for name in value.split(",") if name.strip()]
+    names = [name.strip() for name in names]
+    unknown = sorted({name for name in names if name not in KNOWN_PEERS and name != "all"})
+    if unknown:
+        raise CommandLineError("--peers", f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_PEERS)}")
+    return names or ["all"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -73,6 +92,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_output_dir(args.out)
     check_input_file(args.candidates, "--candidates")
     check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
+    args.peers = peer_names(args.peers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
         max_noise_floor=args.max_noise_floor,
-        peers=(list(args.peers) or ["all"]) if args.peers is not None else None,
+        peers=args.peers,
     )
     try:
         results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))
