@@ -40,3 +40,37 @@ def test_eager_and_first_block_cache_rows(tmp_path: Path) -> None:
     assert 0.0 <= peers["fbcache"]["latent_rel_l2"] < 1.0
     assert results["dense"]["stable_after_candidates"] is True
     assert "| peer:fbcache | peer_reference |" in (tmp_path / "o" / "report.md").read_text()
+    assert all(row["restored"] for row in peers.values())
+
+
+def test_a_peer_whose_undo_leaves_the_model_changed_is_named(tmp_path: Path, monkeypatch) -> None:
+    """The restore check runs after each peer: the one that changed dense is named, not only "a peer"."""
+    from worldfoundry.bench import peers as peers_module
+
+    original = peers_module._apply
+
+    def leaky(name, modules, steps=None):
+        undo, info = original(name, modules, steps)
+        if name != "fbcache":
+            return undo, info
+
+        def partial_undo() -> None:  # undoes the cache but leaves one bias changed, as a faulty peer would
+            undo()
+            with torch.no_grad():
+                modules[0].proj_out.bias.add_(1.0)
+
+        return partial_undo, info
+
+    monkeypatch.setattr(peers_module, "_apply", leaky)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
+        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
+    results = run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
+                                    rounds=3, max_rounds=3, progress=False, peers=["eager", "fbcache"]))
+    rows = {p["peer"]: p for p in results["peers"]}
+    assert rows["eager"]["restored"] is True
+    assert rows["fbcache"]["restored"] is False
+    assert rows["fbcache"]["restore_error"] == "the dense output changed after fbcache was undone"
+    assert results["dense"]["stable_after_candidates"] is False  # the harness's own final check still sees it
+    assert "**not restored**: the dense output changed after fbcache was undone" in (
+        tmp_path / "o" / "report.md").read_text()

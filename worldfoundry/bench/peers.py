@@ -8,7 +8,11 @@ below), then timed in interleaved pairs against dense with :func:`~worldfoundry.
   reported. Undo: the compiled call of each block is dropped. Skipped on the CPU unless named explicitly.
 * ``fbcache``: diffusers ``enable_cache(FirstBlockCacheConfig(threshold))`` with one ``cache_context`` per CFG
   branch. Undo: ``disable_cache()``.
-* ``dbcache``: cache-dit DBCache, when ``cache_dit`` is installed. Undo: ``cache_dit.disable_cache``.
+* ``dbcache``: cache-dit DBCache, when ``cache_dit`` is installed, on each transformer (transformer-only use):
+  its default thresholds (``residual_diff_threshold`` 0.08, ``Fn`` 8 / ``Bn`` 0 compute blocks) with
+  ``Fn`` capped below the block count and ``max_warmup_steps`` a quarter of the workload's steps (cache-dit's 8
+  would leave nothing to cache in a 10-step run); the context is refreshed with the step count before every
+  generation. Undo: ``cache_dit.disable_cache``.
 * ``float8``: torchao ``Float8DynamicActivationFloat8WeightConfig``, when ``torchao`` is installed (CUDA only).
   Undo: the original Linear weight parameters are put back.
 """
@@ -31,6 +35,7 @@ logger = logging.getLogger(__name__)
 KNOWN_PEERS = ("eager", "compile", "fbcache", "dbcache", "float8")
 DEFAULT_PEERS = ("eager", "compile", "fbcache", "dbcache", "float8")
 FBCACHE_THRESHOLD = 0.05
+DBCACHE_THRESHOLD = 0.08
 
 
 def resolve_peers(names: list[str] | None, device: torch.device) -> tuple[list[str], list[dict[str, Any]]]:
@@ -85,8 +90,9 @@ def _with_branch_context(module: torch.nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _apply(name: str, modules: list[torch.nn.Module]) -> tuple[Callable[[], None], dict[str, Any]]:
-    """Apply one peer to every expert module; returns its undo and facts about it."""
+def _apply(name: str, modules: list[torch.nn.Module],
+           steps: int | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
+    """Apply one peer to every expert module (``steps``: the workload's); returns its undo and facts about it."""
     undos: list[Callable[[], None]] = []
     info: dict[str, Any] = {}
     if name == "eager":
@@ -116,8 +122,14 @@ def _apply(name: str, modules: list[torch.nn.Module]) -> tuple[Callable[[], None
         import cache_dit
 
         for m in modules:
-            cache_dit.enable_cache(m)
+            blocks = max((len(c) for c in m.children() if isinstance(c, torch.nn.ModuleList)), default=2)
+            config = cache_dit.DBCacheConfig(
+                Fn_compute_blocks=min(8, blocks - 1), Bn_compute_blocks=0, residual_diff_threshold=DBCACHE_THRESHOLD,
+                max_warmup_steps=max(1, min(8, (steps or 8) // 4)), num_inference_steps=steps)
+            cache_dit.enable_cache(m, cache_config=config)
             undos.append(lambda m=m: cache_dit.disable_cache(m))
+            info.update(threshold=DBCACHE_THRESHOLD, Fn_compute_blocks=config.Fn_compute_blocks,
+                        max_warmup_steps=config.max_warmup_steps)
     elif name == "float8":
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
 
@@ -138,10 +150,16 @@ def _apply(name: str, modules: list[torch.nn.Module]) -> tuple[Callable[[], None
     return undo_all, info
 
 
-def _reset_caches(modules: list[torch.nn.Module]) -> None:
+def _reset_caches(modules: list[torch.nn.Module], steps: int | None = None, cache_dit_active: bool = False) -> None:
+    """Fresh per-generation cache state: diffusers' hooks reset, cache-dit's context refreshed."""
     for m in modules:
         if getattr(m, "is_cache_enabled", False):
             m._reset_stateful_cache()
+    if cache_dit_active and steps:
+        import cache_dit
+
+        for m in modules:
+            cache_dit.refresh_context(m, num_inference_steps=int(steps))
 
 
 def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
@@ -151,11 +169,16 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
     row: dict[str, Any] = {"name": f"peer:{name}", "peer": name}
     undo: Callable[[], None] | None = None
     try:
-        undo, info = _apply(name, modules)
+        steps = runner.workload.get("steps")
+        undo, info = _apply(name, modules, steps)
         compiled = info.pop("_recompile", None)
         row.update(info)
+
+        def reset() -> None:
+            _reset_caches(modules, steps, name == "dbcache")
+
         t0 = time.perf_counter()
-        _reset_caches(modules)
+        reset()
         pilot = runner.generate(seeds[0], f"peer-{name}-warmup")
         row["warmup_s"] = time.perf_counter() - t0
         row["latent_rel_l2"] = max(relative_l2(pilot.latents, dense[seeds[0]].latents), 0.0)
@@ -174,9 +197,9 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
                     for block, impl in compiled:
                         block._compiled_call_impl = impl
                 else:
-                    undo, _ = _apply(name, modules)
+                    undo, _ = _apply(name, modules, steps)
                 active[0] = True
-            _reset_caches(modules)
+            reset()
             return timed_generate(runner, seed, f"peer-{name}-timed")[1]
 
         def pair(r: int) -> tuple[float, float]:
@@ -207,10 +230,14 @@ def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[
               policy: TimingPolicy) -> list[dict[str, Any]]:
     """Rows for the requested peers (skipped ones say why)."""
     to_run, rows = resolve_peers(names, runner.pipe.policy.device)
+    reference = dense[seeds[0]].latents  # what dense computes now: a peer that changes it is named once
     for name in to_run:
-        rows.append(run_peer(name, runner, dense, seeds, policy))
-    after = runner.generate(seeds[0], "dense-after-peers")
-    if not torch.equal(after.latents, dense[seeds[0]].latents):
-        logger.error("the dense output changed after the peers ran: a peer was not undone")
-        rows.append({"name": "peer:restore", "verdict": "peer_failed", "error": "dense output changed after peers"})
+        row = run_peer(name, runner, dense, seeds, policy)
+        rows.append(row)
+        after = runner.generate(seeds[0], f"dense-after-peer-{name}").latents
+        row["restored"] = bool(torch.equal(after, reference))
+        if not row["restored"]:
+            logger.error("the dense output changed after peer %s: its undo did not restore the model", name)
+            row["restore_error"] = f"the dense output changed after {name} was undone"
+            reference = after
     return rows

@@ -146,6 +146,8 @@ def _peer_lines(results: dict[str, Any]) -> list[str]:
         sp = p.get("speed") or {}
         ci = sp.get("ci95")
         status = p.get("reason") or p.get("error") or p["verdict"]
+        if p.get("restore_error"):
+            status = f"{status}; **not restored**: {p['restore_error']}"
         lines.append(f"| {p['name']} | {status} | {_fmt(p.get('latent_rel_l2'))} | {_fmt(p.get('warmup_s'), 3)} | "
                      f"{_fmt(sp.get('median_speedup'))}{'×' if sp else ''} | "
                      f"{'[' + _fmt(ci[0]) + ', ' + _fmt(ci[1]) + ']' if ci else '–'} | {_fmt(sp.get('rounds'))} |")
