@@ -13,7 +13,10 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
 * Wan: ``cuda_graph`` alone and ``block_fusion+cuda_graph`` (the forward replayed from one CUDA graph; bitwise
-  vs eager, block fusion receipts counted per replay; W17 goal of the stack >= 1.8x);
+  vs eager, block fusion receipts counted per replay; W17 goal of the stack >= 1.8x); on CUDA also
+  ``bare_graph`` (one plain ``torch.cuda.CUDAGraph`` of the eager forward: the replay's ceiling) and, unless
+  ``--no-fa3``, FlashAttention-3 on self-attention (``attention_policy`` + ``attention_fa3``, ``min_tokens`` 2048)
+  alone and under ``block_fusion`` / ``block_fusion+cuda_graph`` (rel L2 vs eager; the stacks bitwise vs ``fa3``);
 * SANA-Video: each chain alone (``sana:<chain>``) and the CUDA kernels taking the most time in eager and with
   block fusion (``top_kernels``), to show which chain costs or gains what.
 
@@ -80,6 +83,12 @@ def registry() -> AccelerationRegistry:
 
         reg.register("cuda_graph", cuda_graph)
     except ImportError:  # the variants that need it report the error
+        pass
+    try:
+        from worldfoundry_attention_policy.plugin import prepare as attention_policy
+
+        reg.register("attention_policy", attention_policy)
+    except ImportError:
         pass
     return reg
 
@@ -168,7 +177,12 @@ def plugin_variant(key: str, make_model: Callable[[], nn.Module], spec: dict[str
     sync(device)
     report = session.execution_report()["plugins"]
     entry: dict[str, Any] = {"first_call_s": round(first_s, 3),
-                             "bitwise_vs_eager": bool(all(torch.equal(o, reference) for o in [first, *outs]))}
+                             "bitwise_vs_eager": bool(all(torch.equal(o, reference) for o in [first, *outs])),
+                             "rel_l2_vs_eager": rel_l2(outs[-1], reference)}
+    base = result.get("_outs", {}).get("fa3")
+    if key != "fa3" and base is not None:  # a stack on fa3: exact on top of it?
+        entry["bitwise_vs_fa3"] = bool(all(torch.equal(o, base) for o in [first, *outs]))
+    result.setdefault("_outs", {})[key] = outs[-1]
     for name in spec:
         rec = report[name]["model"]["requests"].get("first", {})
         entry[name] = {"counters": rec.get("counters"), "modules_executed": len(rec.get("modules", {})),
@@ -178,6 +192,33 @@ def plugin_variant(key: str, make_model: Callable[[], nn.Module], spec: dict[str
     if "cuda_graph" in spec:
         result.setdefault("_graphs", {})[key] = session
     return caller(model, inputs, "timed")
+
+
+def bare_graph_variant(eager: Callable[[], torch.Tensor], reference: torch.Tensor, device: torch.device,
+                       result: dict[str, Any]) -> Callable[[], Any]:
+    """One plain ``torch.cuda.CUDAGraph`` of the eager forward (same model and inputs): the replay's ceiling."""
+    from worldfoundry.core.acceleration.cuda_graph import capture_stream
+
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    start = time.perf_counter()
+    with torch.cuda.graph(graph, stream=stream):
+        out = eager()
+    sync(device)
+    capture_s = time.perf_counter() - start
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    result["bare_graph"] = {"capture_s": round(capture_s, 3), "bitwise_vs_eager": bool(torch.equal(replay(), reference))}
+    result["_keep"].append((graph, None))
+    return replay
 
 
 def top_kernels(fn: Callable[[], Any], device: torch.device, n: int = 12) -> list[tuple[str, int, float]] | None:
@@ -227,9 +268,17 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
     name = "wan_block_fusion" if family == "wan" else "sana_block_fusion"
     variants: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
         ("block_fusion", lambda: fusion_variant(make_model, name, inputs, reference, device, result))]
+    stacks: list[tuple[str, dict[str, Any]]] = [("cuda_graph", {"cuda_graph": True}),
+                                                ("block_fusion+cuda_graph", {name: {}, "cuda_graph": True})]
+    if family == "wan" and device.type == "cuda":
+        variants.append(("bare_graph", lambda: bare_graph_variant(eager, reference, device, result)))
+        if args.fa3:  # FlashAttention-3 on self-attention (not bitwise: SDPA's accuracy class), alone and stacked
+            fa3 = {"attention_policy": {"self": {"backend": "fa3", "min_tokens": 2048}}}
+            stacks += [("fa3", fa3), ("block_fusion+fa3", {name: {}, **fa3}),
+                       ("block_fusion+cuda_graph+fa3",
+                        {name: {}, "cuda_graph": {"compose_with": ["attention_policy"]}, **fa3})]
     if family == "wan" and (device.type == "cuda" or args.smoke):  # smoke: the CPU runs them eagerly (visible)
-        for key, spec in (("cuda_graph", {"cuda_graph": True}),
-                          ("block_fusion+cuda_graph", {name: {}, "cuda_graph": True})):
+        for key, spec in stacks:
             variants.append((key, lambda key=key, spec=spec: plugin_variant(key, make_model, spec, inputs, reference,
                                                                             device, result)))
     if family == "sana" and args.sana_chains:
@@ -277,6 +326,7 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
             result[key]["timed_request"] = graph["requests"].get("timed", {}).get("modules")
         except Exception as exc:
             result["errors"][f"graph_report_{key}"] = f"{type(exc).__name__}: {exc}"
+    result.pop("_outs", None)
     for model, session in result.pop("_keep"):
         if session is not None:
             session.uninstall()
@@ -297,7 +347,9 @@ def table(results: dict[str, Any]) -> str:
         for key, t in r["timing"].items():
             extra = r.get(key, {})
             bitwise = ("-" if key == "eager" else f"rel L2 {extra.get('rel_l2_vs_eager', float('nan')):.3g}"
-                       if key == "compile" else extra.get("bitwise_vs_eager"))
+                       if key == "compile" or "fa3" in key else extra.get("bitwise_vs_eager"))
+            if "bitwise_vs_fa3" in extra:
+                bitwise = f"{bitwise}; bitwise vs fa3 {extra['bitwise_vs_fa3']}"
             first = (round(r["eager_first_call_s"], 2) if key == "eager" else
                      f"warm-up {extra.get('warmup_first_two_calls_s')}" if key == "compile" else
                      extra.get("first_call_s"))
@@ -320,6 +372,8 @@ def main() -> None:
     p.add_argument("--no-sana-chains", dest="sana_chains", action="store_false",
                    help="skip the SANA-Video one-chain variants")
     p.add_argument("--smoke", action="store_true", help="tiny models and latents on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--no-fa3", dest="fa3", action="store_false",
+                   help="skip FlashAttention-3 on self-attention (attention_policy + attention_fa3) and its stacks")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
