@@ -23,6 +23,18 @@ def test_builders_are_seeded_and_leave_the_random_state_alone() -> None:
     assert torch.equal(reseeded.proj_out.weight, testing.tiny_wan(1, weight_scale=0.1, weight_seed=9).proj_out.weight)
 
 
+def test_seeded_model_takes_the_whole_config_and_builds_on_a_device() -> None:
+    from diffusers import WanTransformer3DModel
+
+    config = {**testing.WAN_TINY, "num_layers": 1}
+    model = testing.seeded_model(WanTransformer3DModel, 2, **config)
+    assert {k: model.config[k] for k in config} == config and not model.training
+    tiny = testing.tiny_wan(2, weight_scale=None, num_layers=1)  # the tiny builder adds only its defaults
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), tiny.state_dict().values(), strict=True))
+    on_meta = testing.seeded_model(WanTransformer3DModel, 2, device="meta", **config)
+    assert on_meta.proj_out.weight.is_meta
+
+
 @pytest.mark.parametrize("family", ["wan", "wan22", "sana_video", "minimax_h3"])
 def test_every_family_builds_and_runs(family: str) -> None:
     if family == "wan22":

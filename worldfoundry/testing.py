@@ -57,11 +57,30 @@ MINIMAX_H3_TINY: Final[Mapping[str, Any]] = dict(
 
 
 # ------------------------------------------------------------------------------------------------ builders
-def _build(cls: type[nn.Module], config: Mapping[str, Any], seed: int, weight_scale: float | None,
-           dtype: torch.dtype | None, weight_seed: int | None) -> nn.Module:
+def seeded_model(cls: type[nn.Module], seed: int = 0, *, weight_scale: float | None = None,
+                 dtype: torch.dtype | None = None, weight_seed: int | None = None,
+                 device: torch.device | str | None = None, **config: Any) -> nn.Module:
+    """``cls(**config)`` built from ``seed`` in eval mode (full configs; the ``tiny_*`` builders add tiny defaults).
+
+    Args:
+        cls: a model class, e.g. ``diffusers.WanTransformer3DModel``.
+        seed: weights are a function of the seed (and the config) only.
+        weight_scale: every parameter drawn from N(0, scale²); ``None`` keeps the class's initialisation.
+        weight_seed: seed of that draw (``None``: the random stream continues from building with ``seed``).
+        dtype: cast after building (``None``: as built, float32).
+        device: build there (``None``: the CPU); e.g. ``"cuda"`` initialises a large model on the GPU.
+        **config: the constructor's arguments.
+
+    Returns:
+        The model (its parameters still require grad, as diffusers builds them).
+    """
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = cls(**config)
+        if device is not None:
+            with torch.device(device):
+                model = cls(**config)
+        else:
+            model = cls(**config)
         if weight_scale is not None:  # diffusers zero-initialises some projections: make every tensor count
             if weight_seed is not None:
                 torch.manual_seed(weight_seed)
@@ -74,7 +93,7 @@ def _build(cls: type[nn.Module], config: Mapping[str, Any], seed: int, weight_sc
 
 
 def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.dtype | None = None,
-             weight_seed: int | None = None, **config: Any) -> nn.Module:
+             weight_seed: int | None = None, device: torch.device | str | None = None, **config: Any) -> nn.Module:
     """A seeded ``WanTransformer3DModel`` (:data:`WAN_TINY` updated by ``config``) in eval mode.
 
     Args:
@@ -82,6 +101,7 @@ def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.d
         weight_scale: every parameter drawn from N(0, scale²); ``None`` keeps diffusers' initialisation.
         weight_seed: seed of that draw (``None``: the random stream continues from building with ``seed``).
         dtype: cast after building (``None``: float32).
+        device: build there (``None``: the CPU).
         **config: overrides of :data:`WAN_TINY` (``num_layers=4``, ``image_dim=32``, ...).
 
     Returns:
@@ -89,7 +109,8 @@ def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.d
     """
     from diffusers import WanTransformer3DModel
 
-    return _build(WanTransformer3DModel, {**WAN_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(WanTransformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**WAN_TINY, **config})
 
 
 def tiny_wan22_experts(seed: int = 0, **kwargs: Any) -> dict[str, nn.Module]:
@@ -104,19 +125,23 @@ def tiny_wan22_experts(seed: int = 0, **kwargs: Any) -> dict[str, nn.Module]:
 
 
 def tiny_sana_video(seed: int = 0, *, weight_scale: float | None = None, dtype: torch.dtype | None = None,
-                    weight_seed: int | None = None, **config: Any) -> nn.Module:
+                    weight_seed: int | None = None, device: torch.device | str | None = None,
+                    **config: Any) -> nn.Module:
     """A seeded ``SanaVideoTransformer3DModel`` (:data:`SANA_VIDEO_TINY` updated by ``config``); see :func:`tiny_wan`."""
     from diffusers import SanaVideoTransformer3DModel
 
-    return _build(SanaVideoTransformer3DModel, {**SANA_VIDEO_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(SanaVideoTransformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**SANA_VIDEO_TINY, **config})
 
 
 def tiny_minimax_h3(seed: int = 0, *, weight_scale: float | None = None, dtype: torch.dtype | None = None,
-                    weight_seed: int | None = None, **config: Any) -> nn.Module:
+                    weight_seed: int | None = None, device: torch.device | str | None = None,
+                    **config: Any) -> nn.Module:
     """A seeded ``MiniMaxH3Transformer3DModel`` (:data:`MINIMAX_H3_TINY` updated by ``config``); see :func:`tiny_wan`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    return _build(MiniMaxH3Transformer3DModel, {**MINIMAX_H3_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(MiniMaxH3Transformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**MINIMAX_H3_TINY, **config})
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -316,6 +341,7 @@ __all__ = [
     "minimax_h3_inputs",
     "run_model",
     "sana_video_inputs",
+    "seeded_model",
     "tiny_minimax_h3",
     "tiny_sana_video",
     "tiny_wan",

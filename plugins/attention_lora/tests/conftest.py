@@ -118,25 +118,12 @@ class ProjectionRecorder:
             h.remove()
 
 
-def state_snapshot(model: nn.Module) -> dict[str, Any]:
-    """Independent restore check: state dict values, parameter identities, instance dicts of every module."""
-    return {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "params": {n: id(p) for n, p in model.named_parameters()},
-        # the request guard the installer attaches stays by design (it belongs to the loader, not to a plugin)
-        "dicts": {n or "<root>": sorted(k for k in m.__dict__ if k != "_worldfoundry_guard")
-                  for n, m in model.named_modules()},
-        "forwards": [n for n, m in model.named_modules() if "forward" in m.__dict__],
-    }
+def state_snapshot(model: nn.Module) -> testing.ModelFingerprint:
+    """Independent restore check (:func:`worldfoundry.testing.fingerprint`, no forward) of the guarded model.
 
-
-def assert_snapshot_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["params"] == b["params"]
-    assert a["dicts"] == b["dicts"]
-    assert a["forwards"] == b["forwards"] == []
-    assert list(a["state"]) == list(b["state"])
-    for k, v in a["state"].items():
-        assert torch.equal(v, b["state"][k]) and v.dtype == b["state"][k].dtype, k
+    The request guard the installer attaches stays by design (it belongs to the loader, not to a plugin).
+    """
+    return testing.fingerprint(testing.guarded(model), forward=False)
 
 
 @pytest.fixture
@@ -163,7 +150,7 @@ def tools() -> Any:
         make_wan_adapter = staticmethod(make_wan_adapter)
         ProjectionRecorder = ProjectionRecorder
         state_snapshot = staticmethod(state_snapshot)
-        assert_snapshot_equal = staticmethod(assert_snapshot_equal)
+        assert_snapshot_equal = staticmethod(testing.assert_same_model)
         H3_CONFIG = TINY_H3_CONFIG
         WAN_CONFIG = TINY_WAN_CONFIG
 
