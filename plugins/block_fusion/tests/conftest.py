@@ -120,21 +120,12 @@ def record_of(session: Any, request_id: str, name: str = "wan_block_fusion") -> 
     return session.execution_report()["plugins"][name]["model"]["requests"][request_id]
 
 
-def structure(model: nn.Module) -> dict[str, Any]:
-    """What an exact restore must give back: state dict values, Parameter identities, forwards and processors."""
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "params": {k: id(v) for k, v in model.named_parameters()},
-        "forwards": {n: m.__dict__.get("forward") for n, m in model.named_modules()},
-        "processors": {n: id(getattr(m, "processor", None)) for n, m in model.named_modules()},
-    }
+def structure(model: nn.Module) -> testing.ModelFingerprint:
+    """What an exact restore must give back (:func:`worldfoundry.testing.fingerprint` of the guarded model)."""
+    return testing.fingerprint(testing.guarded(model), forward=False)
 
 
-def assert_same_structure(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["params"] == b["params"] and a["forwards"] == b["forwards"] and a["processors"] == b["processors"]
-    assert a["state"].keys() == b["state"].keys()
-    for key, value in a["state"].items():
-        assert torch.equal(value, b["state"][key]), key
+assert_same_structure = testing.assert_same_model
 
 
 @pytest.fixture
