@@ -7,7 +7,9 @@ know the exact ``to_q``/``to_k``/``to_v`` matrices the plugin must apply.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from worldfoundry import testing
 
 TINY_H3_CONFIG: dict[str, Any] = dict(testing.MINIMAX_H3_TINY)
 TINY_WAN_CONFIG: dict[str, Any] = dict(testing.WAN_TINY)
+H3_CONFIG, WAN_CONFIG = TINY_H3_CONFIG, TINY_WAN_CONFIG
 
 
 def build_h3(seed: int = 0, **overrides: Any) -> nn.Module:
@@ -126,6 +129,9 @@ def state_snapshot(model: nn.Module) -> testing.ModelFingerprint:
     return testing.fingerprint(testing.guarded(model), forward=False)
 
 
+assert_snapshot_equal = testing.assert_same_model
+
+
 @pytest.fixture
 def h3() -> nn.Module:
     return build_h3()
@@ -137,21 +143,6 @@ def wan() -> nn.Module:
 
 
 @pytest.fixture
-def tools() -> Any:
+def tools() -> ModuleType:
     """The helpers above, for tests (pytest's importlib mode does not import conftest as a module)."""
-
-    class Tools:
-        build_h3 = staticmethod(build_h3)
-        build_wan = staticmethod(build_wan)
-        h3_inputs = staticmethod(h3_inputs)
-        wan_inputs = staticmethod(wan_inputs)
-        run = staticmethod(run)
-        make_h3_adapter = staticmethod(make_h3_adapter)
-        make_wan_adapter = staticmethod(make_wan_adapter)
-        ProjectionRecorder = ProjectionRecorder
-        state_snapshot = staticmethod(state_snapshot)
-        assert_snapshot_equal = staticmethod(testing.assert_same_model)
-        H3_CONFIG = TINY_H3_CONFIG
-        WAN_CONFIG = TINY_WAN_CONFIG
-
-    return Tools
+    return sys.modules[__name__]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -74,23 +76,13 @@ def allow_cpu_fp8(session: Any, handle: Any) -> None:
     pytest.skip(f"no FP8 path on this CPU build (visible fallback checked): {verdict}")
 
 
-class Kit:
-    """The helpers above, handed to tests as the ``kit`` fixture (conftest modules are not importable)."""
-
-    WAN_FFN_PATHS = WAN_FFN_PATHS
-    build_wan = staticmethod(build_wan)
-    build_sana_video = staticmethod(build_sana_video)
-    build_minimax_h3 = staticmethod(build_minimax_h3)
-    wan_inputs = staticmethod(wan_inputs)
-    run_wan = staticmethod(run_wan)
-    fingerprint = staticmethod(fingerprint)
-    assert_same = staticmethod(testing.assert_same_model)
-    allow_cpu_fp8 = staticmethod(allow_cpu_fp8)
+assert_same = testing.assert_same_model
 
 
 @pytest.fixture
-def kit() -> type[Kit]:
-    return Kit
+def kit() -> ModuleType:
+    """This module's helpers (conftest modules are not importable under importlib mode)."""
+    return sys.modules[__name__]
 
 
 @pytest.fixture

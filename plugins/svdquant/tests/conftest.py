@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -63,19 +65,13 @@ def fingerprint(model: nn.Module) -> testing.ModelFingerprint:
     return testing.fingerprint(testing.guarded(model), forward=lambda m: run_wan(m, dtype))
 
 
-class Kit:
-    WAN_FFN_PATHS = WAN_FFN_PATHS
-    build_wan = staticmethod(build_wan)
-    wan_inputs = staticmethod(wan_inputs)
-    run_wan = staticmethod(run_wan)
-    calibrate = staticmethod(calibrate)
-    fingerprint = staticmethod(fingerprint)
-    assert_same = staticmethod(testing.assert_same_model)
+assert_same = testing.assert_same_model
 
 
 @pytest.fixture
-def kit() -> type[Kit]:
-    return Kit
+def kit() -> ModuleType:
+    """This module's helpers (conftest modules are not importable under importlib mode)."""
+    return sys.modules[__name__]
 
 
 @pytest.fixture
