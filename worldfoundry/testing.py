@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from worldfoundry.core.acceleration.guard import attach_request_guard
 
@@ -312,6 +313,27 @@ def assert_restored(model: nn.Module, before: ModelFingerprint) -> None:
     assert_same_model(before, fingerprint(model, forward=before.forward if before.output is not None else None))
 
 
+class OpRecorder(TorchDispatchMode):
+    """Records the aten ops that actually run inside it (a backend's kernel, or the math decomposition).
+
+    Example:
+        >>> import torch
+        >>> from worldfoundry.testing import OpRecorder
+        >>> with OpRecorder() as rec:
+        ...     _ = torch.ones(2) + 1
+        >>> "aten.add.Tensor" in rec.ops
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def guarded(model: nn.Module | Mapping[str, nn.Module]) -> nn.Module | Mapping[str, nn.Module]:
     """Attach the request guard the loader gives every DiT (one guard for all experts of a mapping).
 
@@ -333,6 +355,7 @@ __all__ = [
     "SANA_VIDEO_TINY",
     "WAN_TINY",
     "ModelFingerprint",
+    "OpRecorder",
     "assert_restored",
     "assert_same_model",
     "default_forward",

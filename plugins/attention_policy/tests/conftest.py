@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from worldfoundry_attention_policy.options import Options
 from worldfoundry_attention_policy.plugin import make_prepare
 
@@ -50,16 +49,7 @@ def build_wan(image: bool = False) -> WanCase:
     return WanCase(testing.tiny_wan(0, weight_scale=None, **extra), image)
 
 
-class OpRecorder(TorchDispatchMode):
-    """The aten ops that ran inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+OpRecorder = testing.OpRecorder
 
 
 @pytest.fixture(autouse=True)
