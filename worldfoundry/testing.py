@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worldfoundry.core.acceleration.guard import attach_request_guard
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 
 #: A 2-block, 2-head (× 32) Wan 2.1 transformer.
 WAN_TINY: Final[Mapping[str, Any]] = dict(
@@ -153,19 +154,21 @@ def _config(model: nn.Module | Mapping[str, Any] | None, default: Mapping[str, A
 
 
 def wan_inputs(model: nn.Module | Mapping[str, Any] | None = None, seed: int = 1, *, frames: int = 1, height: int = 4, width: int = 4,
-               text_tokens: int = 8, timestep: float = 500, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+               text_tokens: int = 8, timestep: float = 500, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> dict[str, Any]:
     """Seeded inputs of a Wan forward (latents, one timestep, text embeddings), shaped for ``model``'s config.
 
     Args:
         model: the Wan model or its config (``None``: :data:`WAN_TINY`).
         frames / height / width: the latent grid; ``text_tokens``: text rows.
+        device: where the tensors go (drawn on the CPU first, so the values do not depend on it).
     """
     cfg = _config(model, WAN_TINY)
     g = torch.Generator().manual_seed(seed)
     return {
-        "hidden_states": torch.randn(1, cfg["in_channels"], frames, height, width, generator=g).to(dtype),
-        "timestep": torch.tensor([timestep]),
-        "encoder_hidden_states": torch.randn(1, text_tokens, cfg["text_dim"], generator=g).to(dtype),
+        "hidden_states": torch.randn(1, cfg["in_channels"], frames, height, width, generator=g).to(device, dtype),
+        "timestep": torch.tensor([timestep], device=device),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg["text_dim"], generator=g).to(device, dtype),
     }
 
 
@@ -215,6 +218,36 @@ def run_model(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
     """``model(**inputs, return_dict=False)[0]`` without autograd."""
     with torch.no_grad():
         return model(**inputs, return_dict=False)[0]
+
+
+def run_request(model: nn.Module, request_id: str, call: Callable[[int, str], torch.Tensor], *, steps: int,
+                branches: tuple[str, ...] = ("cond", "uncond"), timestep: Callable[[int], float] | None = None,
+                before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Drive one request the way a pipeline does: ``steps`` × ``branches`` calls of ``call(step, branch)``.
+
+    The model's request guard (attached when missing) owns ``request_id`` for the whole request, and every call
+    runs inside a request scope naming the request, CFG branch, step and timestep.
+
+    Args:
+        model: the model (or one expert of a guarded group).
+        call: one forward; its result is collected.
+        timestep: ``step -> timestep`` recorded in the context (default ``1000 - step``).
+        before_step: called with the step's index before its calls.
+
+    Returns:
+        The outputs in call order.
+    """
+    guard = get_request_guard(model) or attach_request_guard(model)
+    outputs = []
+    with guard.request(request_id):
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            t = float(timestep(step)) if timestep is not None else 1000.0 - step
+            for branch in branches:
+                with request_scope(RequestContext(request_id, branch, step, t, None, steps)):
+                    outputs.append(call(step, branch))
+    return outputs
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
@@ -363,6 +396,7 @@ __all__ = [
     "guarded",
     "minimax_h3_inputs",
     "run_model",
+    "run_request",
     "sana_video_inputs",
     "seeded_model",
     "tiny_minimax_h3",

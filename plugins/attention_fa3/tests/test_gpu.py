@@ -59,11 +59,8 @@ def test_attention_policy_routes_wan_self_attention_to_fa3(fa3) -> None:  # noqa
 
     model = testing.tiny_wan(0, weight_scale=None, attention_head_dim=128, text_dim=64, ffn_dim=256)
     model = model.to("cuda", torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = {"hidden_states": torch.randn(1, 16, 4, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g),
-              "timestep": torch.tensor([500], device="cuda"),
-              "encoder_hidden_states": torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g),
-              "return_dict": False}
+    inputs = {**testing.wan_inputs(model, frames=4, height=32, width=32, text_tokens=64, dtype=torch.bfloat16,
+                                   device="cuda"), "return_dict": False}
     with torch.no_grad():
         dense = model(**inputs)[0]
     providers = AttentionProviderRegistry(discover=False)

@@ -26,11 +26,8 @@ def test_builtin_backend_routes_and_counts(backend: str) -> None:
 
     model = testing.tiny_wan(0, weight_scale=None, attention_head_dim=128, text_dim=64, ffn_dim=256)
     model = model.to("cuda", torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = {"hidden_states": torch.randn(1, 16, 4, 16, 16, device="cuda", dtype=torch.bfloat16, generator=g),
-              "timestep": torch.tensor([500], device="cuda"),
-              "encoder_hidden_states": torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g),
-              "return_dict": False}
+    inputs = {**testing.wan_inputs(model, frames=4, height=16, width=16, text_tokens=64, dtype=torch.bfloat16,
+                                   device="cuda"), "return_dict": False}
     with torch.no_grad():
         dense = model(**inputs)[0]
     spec = {"attention_policy": {"self": backend, "text_cross": {"backend": backend, "min_tokens": 128},
