@@ -23,6 +23,18 @@ def test_builders_are_seeded_and_leave_the_random_state_alone() -> None:
     assert torch.equal(reseeded.proj_out.weight, testing.tiny_wan(1, weight_scale=0.1, weight_seed=9).proj_out.weight)
 
 
+def test_seeded_model_takes_the_whole_config_and_builds_on_a_device() -> None:
+    from diffusers import WanTransformer3DModel
+
+    config = {**testing.WAN_TINY, "num_layers": 1}
+    model = testing.seeded_model(WanTransformer3DModel, 2, **config)
+    assert {k: model.config[k] for k in config} == config and not model.training
+    tiny = testing.tiny_wan(2, weight_scale=None, num_layers=1)  # the tiny builder adds only its defaults
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), tiny.state_dict().values(), strict=True))
+    on_meta = testing.seeded_model(WanTransformer3DModel, 2, device="meta", **config)
+    assert on_meta.proj_out.weight.is_meta
+
+
 @pytest.mark.parametrize("family", ["wan", "wan22", "sana_video", "minimax_h3"])
 def test_every_family_builds_and_runs(family: str) -> None:
     if family == "wan22":
@@ -86,3 +98,25 @@ def test_timing_on_the_gpu() -> None:
             x @ x
     assert region.device_ms > 0.0 and region.wall_ms >= region.enqueue_ms
     assert time_ms(lambda: x @ x, device, 3) > 0.0
+
+
+def test_run_request_owns_the_request_and_scopes_every_call() -> None:
+    from worldfoundry.core.acceleration.context import current_request
+    from worldfoundry.core.acceleration.guard import get_request_guard
+
+    model = testing.tiny_wan(num_layers=1)
+    seen: list[tuple] = []
+
+    def call(step: int, branch: str) -> torch.Tensor:
+        ctx = current_request()
+        seen.append((ctx.request_id, ctx.branch, ctx.step_index, ctx.timestep, ctx.num_steps,
+                     get_request_guard(model).active_request_ids()))
+        return torch.tensor(float(step))
+
+    outputs = testing.run_request(model, "r1", call, steps=2, timestep=lambda s: 900 - 100 * s,
+                                  before_step=lambda s: seen.append(("before", s)))
+    assert [float(o) for o in outputs] == [0.0, 0.0, 1.0, 1.0]
+    owned = ("r1",)
+    assert seen == [("before", 0), ("r1", "cond", 0, 900.0, 2, owned), ("r1", "uncond", 0, 900.0, 2, owned),
+                    ("before", 1), ("r1", "cond", 1, 800.0, 2, owned), ("r1", "uncond", 1, 800.0, 2, owned)]
+    assert get_request_guard(model).active_request_ids() == ()  # the request ended

@@ -34,8 +34,10 @@ from typing import Any, Final
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from worldfoundry.core.acceleration.guard import attach_request_guard
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 
 #: A 2-block, 2-head (× 32) Wan 2.1 transformer.
 WAN_TINY: Final[Mapping[str, Any]] = dict(
@@ -57,11 +59,30 @@ MINIMAX_H3_TINY: Final[Mapping[str, Any]] = dict(
 
 
 # ------------------------------------------------------------------------------------------------ builders
-def _build(cls: type[nn.Module], config: Mapping[str, Any], seed: int, weight_scale: float | None,
-           dtype: torch.dtype | None, weight_seed: int | None) -> nn.Module:
+def seeded_model(cls: type[nn.Module], seed: int = 0, *, weight_scale: float | None = None,
+                 dtype: torch.dtype | None = None, weight_seed: int | None = None,
+                 device: torch.device | str | None = None, **config: Any) -> nn.Module:
+    """``cls(**config)`` built from ``seed`` in eval mode (full configs; the ``tiny_*`` builders add tiny defaults).
+
+    Args:
+        cls: a model class, e.g. ``diffusers.WanTransformer3DModel``.
+        seed: weights are a function of the seed (and the config) only.
+        weight_scale: every parameter drawn from N(0, scale²); ``None`` keeps the class's initialisation.
+        weight_seed: seed of that draw (``None``: the random stream continues from building with ``seed``).
+        dtype: cast after building (``None``: as built, float32).
+        device: build there (``None``: the CPU); e.g. ``"cuda"`` initialises a large model on the GPU.
+        **config: the constructor's arguments.
+
+    Returns:
+        The model (its parameters still require grad, as diffusers builds them).
+    """
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = cls(**config)
+        if device is not None:
+            with torch.device(device):
+                model = cls(**config)
+        else:
+            model = cls(**config)
         if weight_scale is not None:  # diffusers zero-initialises some projections: make every tensor count
             if weight_seed is not None:
                 torch.manual_seed(weight_seed)
@@ -74,7 +95,7 @@ def _build(cls: type[nn.Module], config: Mapping[str, Any], seed: int, weight_sc
 
 
 def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.dtype | None = None,
-             weight_seed: int | None = None, **config: Any) -> nn.Module:
+             weight_seed: int | None = None, device: torch.device | str | None = None, **config: Any) -> nn.Module:
     """A seeded ``WanTransformer3DModel`` (:data:`WAN_TINY` updated by ``config``) in eval mode.
 
     Args:
@@ -82,6 +103,7 @@ def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.d
         weight_scale: every parameter drawn from N(0, scale²); ``None`` keeps diffusers' initialisation.
         weight_seed: seed of that draw (``None``: the random stream continues from building with ``seed``).
         dtype: cast after building (``None``: float32).
+        device: build there (``None``: the CPU).
         **config: overrides of :data:`WAN_TINY` (``num_layers=4``, ``image_dim=32``, ...).
 
     Returns:
@@ -89,7 +111,8 @@ def tiny_wan(seed: int = 0, *, weight_scale: float | None = 0.05, dtype: torch.d
     """
     from diffusers import WanTransformer3DModel
 
-    return _build(WanTransformer3DModel, {**WAN_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(WanTransformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**WAN_TINY, **config})
 
 
 def tiny_wan22_experts(seed: int = 0, **kwargs: Any) -> dict[str, nn.Module]:
@@ -104,19 +127,23 @@ def tiny_wan22_experts(seed: int = 0, **kwargs: Any) -> dict[str, nn.Module]:
 
 
 def tiny_sana_video(seed: int = 0, *, weight_scale: float | None = None, dtype: torch.dtype | None = None,
-                    weight_seed: int | None = None, **config: Any) -> nn.Module:
+                    weight_seed: int | None = None, device: torch.device | str | None = None,
+                    **config: Any) -> nn.Module:
     """A seeded ``SanaVideoTransformer3DModel`` (:data:`SANA_VIDEO_TINY` updated by ``config``); see :func:`tiny_wan`."""
     from diffusers import SanaVideoTransformer3DModel
 
-    return _build(SanaVideoTransformer3DModel, {**SANA_VIDEO_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(SanaVideoTransformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**SANA_VIDEO_TINY, **config})
 
 
 def tiny_minimax_h3(seed: int = 0, *, weight_scale: float | None = None, dtype: torch.dtype | None = None,
-                    weight_seed: int | None = None, **config: Any) -> nn.Module:
+                    weight_seed: int | None = None, device: torch.device | str | None = None,
+                    **config: Any) -> nn.Module:
     """A seeded ``MiniMaxH3Transformer3DModel`` (:data:`MINIMAX_H3_TINY` updated by ``config``); see :func:`tiny_wan`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    return _build(MiniMaxH3Transformer3DModel, {**MINIMAX_H3_TINY, **config}, seed, weight_scale, dtype, weight_seed)
+    return seeded_model(MiniMaxH3Transformer3DModel, seed, weight_scale=weight_scale, dtype=dtype, weight_seed=weight_seed,
+                        device=device, **{**MINIMAX_H3_TINY, **config})
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -127,19 +154,21 @@ def _config(model: nn.Module | Mapping[str, Any] | None, default: Mapping[str, A
 
 
 def wan_inputs(model: nn.Module | Mapping[str, Any] | None = None, seed: int = 1, *, frames: int = 1, height: int = 4, width: int = 4,
-               text_tokens: int = 8, timestep: float = 500, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+               text_tokens: int = 8, timestep: float = 500, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> dict[str, Any]:
     """Seeded inputs of a Wan forward (latents, one timestep, text embeddings), shaped for ``model``'s config.
 
     Args:
         model: the Wan model or its config (``None``: :data:`WAN_TINY`).
         frames / height / width: the latent grid; ``text_tokens``: text rows.
+        device: where the tensors go (drawn on the CPU first, so the values do not depend on it).
     """
     cfg = _config(model, WAN_TINY)
     g = torch.Generator().manual_seed(seed)
     return {
-        "hidden_states": torch.randn(1, cfg["in_channels"], frames, height, width, generator=g).to(dtype),
-        "timestep": torch.tensor([timestep]),
-        "encoder_hidden_states": torch.randn(1, text_tokens, cfg["text_dim"], generator=g).to(dtype),
+        "hidden_states": torch.randn(1, cfg["in_channels"], frames, height, width, generator=g).to(device, dtype),
+        "timestep": torch.tensor([timestep], device=device),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg["text_dim"], generator=g).to(device, dtype),
     }
 
 
@@ -189,6 +218,36 @@ def run_model(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
     """``model(**inputs, return_dict=False)[0]`` without autograd."""
     with torch.no_grad():
         return model(**inputs, return_dict=False)[0]
+
+
+def run_request(model: nn.Module, request_id: str, call: Callable[[int, str], torch.Tensor], *, steps: int,
+                branches: tuple[str, ...] = ("cond", "uncond"), timestep: Callable[[int], float] | None = None,
+                before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Drive one request the way a pipeline does: ``steps`` × ``branches`` calls of ``call(step, branch)``.
+
+    The model's request guard (attached when missing) owns ``request_id`` for the whole request, and every call
+    runs inside a request scope naming the request, CFG branch, step and timestep.
+
+    Args:
+        model: the model (or one expert of a guarded group).
+        call: one forward; its result is collected.
+        timestep: ``step -> timestep`` recorded in the context (default ``1000 - step``).
+        before_step: called with the step's index before its calls.
+
+    Returns:
+        The outputs in call order.
+    """
+    guard = get_request_guard(model) or attach_request_guard(model)
+    outputs = []
+    with guard.request(request_id):
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            t = float(timestep(step)) if timestep is not None else 1000.0 - step
+            for branch in branches:
+                with request_scope(RequestContext(request_id, branch, step, t, None, steps)):
+                    outputs.append(call(step, branch))
+    return outputs
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
@@ -287,6 +346,27 @@ def assert_restored(model: nn.Module, before: ModelFingerprint) -> None:
     assert_same_model(before, fingerprint(model, forward=before.forward if before.output is not None else None))
 
 
+class OpRecorder(TorchDispatchMode):
+    """Records the aten ops that actually run inside it (a backend's kernel, or the math decomposition).
+
+    Example:
+        >>> import torch
+        >>> from worldfoundry.testing import OpRecorder
+        >>> with OpRecorder() as rec:
+        ...     _ = torch.ones(2) + 1
+        >>> "aten.add.Tensor" in rec.ops
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def guarded(model: nn.Module | Mapping[str, nn.Module]) -> nn.Module | Mapping[str, nn.Module]:
     """Attach the request guard the loader gives every DiT (one guard for all experts of a mapping).
 
@@ -308,6 +388,7 @@ __all__ = [
     "SANA_VIDEO_TINY",
     "WAN_TINY",
     "ModelFingerprint",
+    "OpRecorder",
     "assert_restored",
     "assert_same_model",
     "default_forward",
@@ -315,7 +396,9 @@ __all__ = [
     "guarded",
     "minimax_h3_inputs",
     "run_model",
+    "run_request",
     "sana_video_inputs",
+    "seeded_model",
     "tiny_minimax_h3",
     "tiny_sana_video",
     "tiny_wan",

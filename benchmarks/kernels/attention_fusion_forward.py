@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import statistics
 import traceback
 from collections.abc import Callable
@@ -44,6 +43,8 @@ from worldfoundry.bench.microbench import (
     WAN_TINY,
     WORKLOADS,
     Region,
+    interleaved_samples,
+    paired_summary,
     rel_l2,
     sync,
     time_calls,
@@ -135,44 +136,20 @@ def _time_sample(fn: Callable[[], Any], device: torch.device, iters: int) -> tup
     return region.device_ms / iters, region.enqueue_ms / iters
 
 
-def _gc_collections() -> int:
-    return sum(s["collections"] for s in gc.get_stats())
-
-
 def paired_rounds(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int,
                   iters: int, baseline: str) -> dict[str, Any]:
     """Interleaved rounds in rotating order; per call the median ms, per-round paired ratios against ``baseline``
     (> 1: faster) and the CPU enqueue time of the same samples (back to back, so a GPU-bound forward can also
     wait on a full launch queue)."""
-    for _ in range(warmup):
-        for fn in calls.values():
-            fn()
-    sync(device)
-    names = list(calls)
-    device_ms: dict[str, list[float]] = {n: [] for n in names}
-    cpu_ms: dict[str, list[float]] = {n: [] for n in names}
-    gc.collect()
-    gc.freeze()
-    collections = _gc_collections()
-    try:
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                dev, cpu = _time_sample(calls[name], device, iters)
-                device_ms[name].append(dev)
-                cpu_ms[name].append(cpu)
-    finally:
-        collections = _gc_collections() - collections
-        gc.unfreeze()
-    out: dict[str, Any] = {}
-    for name in names:
-        ratios = [b / c for b, c in zip(device_ms[baseline], device_ms[name], strict=True)]
-        out[name] = {"median_ms": statistics.median(device_ms[name]), "rounds_ms": device_ms[name],
-                     f"speedup_vs_{baseline}": statistics.median(device_ms[baseline]) / statistics.median(device_ms[name]),
-                     "paired_speedup_median": statistics.median(ratios), "paired_speedup_min": min(ratios),
-                     "paired_speedup_max": max(ratios), "paired_ratios": ratios,
-                     "cpu_enqueue_back_to_back_median_ms": statistics.median(cpu_ms[name])}
+    samples = interleaved_samples(calls, device, rounds=rounds, warmup=warmup, iters=iters, freeze_gc=True)
+    out: dict[str, Any] = paired_summary(samples.device_ms, baseline)
+    for name, entry in out.items():
+        entry["paired_ratios"] = [b / c for b, c in zip(samples.device_ms[baseline], samples.device_ms[name],
+                                                        strict=True)]
+        entry["cpu_enqueue_back_to_back_median_ms"] = statistics.median(samples.enqueue_ms[name])
     out["_meta"] = {"rounds": rounds, "iters_per_sample": iters, "warmup_rounds": warmup, "baseline": baseline,
-                    "gc": "collected, then frozen during the timed rounds", "gc_collections_during_timing": collections}
+                    "gc": "collected, then frozen during the timed rounds",
+                    "gc_collections_during_timing": samples.gc_collections}
     return out
 
 

@@ -35,14 +35,6 @@ def applicable(plugin: str, kind: str) -> bool:
     return not (plugin in WAN_ONLY and kind == "sana_video")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=sorted(BUILDERS))
 def tiny(request: pytest.FixtureRequest) -> TinyPipeline:
     return BUILDERS[request.param]()

@@ -12,19 +12,17 @@ from typing import Any
 
 import torch
 
+from worldfoundry import testing
+
 WAN = dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
            ffn_dim=32, num_layers=2, rope_max_seq_len=32)
 TEXT_TOKENS = 6
 STEPS = 4
 
 
-def _seeded(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Non-trivial values everywhere (diffusers zero-initialises some projections)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+def wan_transformer(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny Wan transformer of :data:`WAN` (``overrides`` applied), every weight drawn from ``seed``."""
+    return testing.tiny_wan(seed, weight_seed=seed, **{**WAN, **overrides})
 
 
 def _embeds(dim: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +48,9 @@ class TinyPipeline:
 
 
 def wan_t2v(seed: int = 0, *, steps: int = STEPS, guidance_scale: float = 5.0) -> TinyPipeline:
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    transformer = _seeded(WanTransformer3DModel(**WAN), seed)
+    transformer = wan_transformer(seed)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
     pipe.set_progress_bar_config(disable=True)
@@ -64,10 +62,9 @@ def wan_t2v(seed: int = 0, *, steps: int = STEPS, guidance_scale: float = 5.0) -
 
 def wan22(seed: int = 0, *, steps: int = 6, boundary_ratio: float = 0.875) -> TinyPipeline:
     """Wan 2.2 A14B layout: two experts routed by ``boundary_ratio`` (both phases non-empty at 6 steps)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    high = _seeded(WanTransformer3DModel(**WAN), seed)
-    low = _seeded(WanTransformer3DModel(**WAN), seed + 1)
+    high, low = wan_transformer(seed), wan_transformer(seed + 1)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=high, transformer_2=low, vae=None,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), boundary_ratio=boundary_ratio)
     pipe.set_progress_bar_config(disable=True)
@@ -80,13 +77,11 @@ def wan22(seed: int = 0, *, steps: int = 6, boundary_ratio: float = 0.875) -> Ti
 def wan_i2v(seed: int = 0, *, steps: int = STEPS) -> TinyPipeline:
     """Wan 2.1 I2V layout: image K/V in cross-attention, the first frame encoded by a tiny Wan VAE."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-    from diffusers import WanTransformer3DModel
     from PIL import Image
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     z = 4
-    config = {**WAN, "in_channels": 2 * z + 4, "out_channels": z, "image_dim": 24, "added_kv_proj_dim": 32}
-    transformer = _seeded(WanTransformer3DModel(**config), seed)
+    transformer = wan_transformer(seed, in_channels=2 * z + 4, out_channels=z, image_dim=24, added_kv_proj_dim=32)
     torch.manual_seed(seed + 7)
     vae = AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.0] * z,
@@ -110,13 +105,14 @@ def wan_i2v(seed: int = 0, *, steps: int = STEPS) -> TinyPipeline:
 
 def sana_video(seed: int = 0, *, steps: int = STEPS) -> TinyPipeline:
     """SANA-Video: CFG batched into one forward (no ``cache_context``), linear self-attention."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SanaVideoPipeline, SanaVideoTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SanaVideoPipeline
 
-    transformer = _seeded(SanaVideoTransformer3DModel(
+    transformer = testing.tiny_sana_video(
+        seed, weight_scale=0.05, weight_seed=seed,
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
         num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=16,
         mlp_ratio=2.5, patch_size=(1, 2, 2), sample_size=8, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ), seed)
+    )
     pipe = SanaVideoPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
                              scheduler=FlowMatchEulerDiscreteScheduler(shift=8.0))
     pipe.set_progress_bar_config(disable=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import EXACT_SPECS, same_state, state
 from diffusers import WanTransformer3DModel
-from pipelines import WAN, _seeded
+from pipelines import wan_transformer
 
 from worldfoundry.core.acceleration.guard import attach_request_guard, detach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
@@ -21,8 +21,8 @@ REFUSE_MOVES = {"resident_blocks"}
 DTYPES = [torch.float64, torch.bfloat16, torch.float16]
 
 
-def tiny_wan(seed: int = 0) -> WanTransformer3DModel:
-    return _seeded(WanTransformer3DModel(**WAN), seed)
+def tiny_wan(seed: int = 0) -> torch.nn.Module:
+    return wan_transformer(seed)
 
 
 def forward(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:

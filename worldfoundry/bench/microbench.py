@@ -6,8 +6,10 @@ live in :mod:`worldfoundry.core.timing` and are re-exported here for the benchma
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
@@ -27,30 +29,77 @@ SMOKE_WORKLOADS: Final[dict[str, tuple[int, int, int]]] = {"W17": (2, 8, 8), "W8
 RANDOM_NOTE: Final = "random seeded weights: relative L2 describes these weights only, not visual quality"
 
 
-def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int, iters: int,
-                baseline: str) -> dict[str, dict[str, Any]]:
+@dataclass
+class RoundSamples:
+    """Per call, one sample a round: device milliseconds and host enqueue milliseconds per call."""
+
+    device_ms: dict[str, list[float]]
+    enqueue_ms: dict[str, list[float]]
+    #: collections of Python's garbage collector during the timed rounds (``None``: it was not frozen)
+    gc_collections: int | None = None
+
+
+def _gc_collections() -> int:
+    return sum(s["collections"] for s in gc.get_stats())
+
+
+def interleaved_samples(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int,
+                        iters: int, freeze_gc: bool = False) -> RoundSamples:
     """Warm-up, then ``rounds`` rounds running every call once per round in a rotating order.
 
-    Returns per call: median milliseconds, the samples, ``speedup_vs_<baseline>`` (ratio of medians) and the
-    median/min/max of the per-round paired ratios ``baseline / call`` (> 1 means faster than the baseline).
+    Args:
+        calls: name -> the work of one call.
+        rounds / warmup: timed rounds and untimed warm-up rounds; ``iters``: back-to-back calls per sample.
+        freeze_gc: collect, then freeze Python's garbage collector during the timed rounds (counted).
+
+    Returns:
+        The :class:`RoundSamples` (milliseconds per call).
     """
     for _ in range(warmup):
         for fn in calls.values():
             fn()
     sync(device)
     names = list(calls)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            samples[name].append(time_ms(calls[name], device, iters))
+    samples = RoundSamples({n: [] for n in names}, {n: [] for n in names})
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
+        collections = _gc_collections()
+    try:
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                region = time_calls(calls[name], device, iters)
+                samples.device_ms[name].append(region.device_ms / iters)
+                samples.enqueue_ms[name].append(region.enqueue_ms / iters)
+    finally:
+        if freeze_gc:
+            samples.gc_collections = _gc_collections() - collections
+            gc.unfreeze()
+    return samples
+
+
+def paired_summary(samples: dict[str, list[float]], baseline: str) -> dict[str, dict[str, Any]]:
+    """Per call: median milliseconds, the samples, ``speedup_vs_<baseline>`` (ratio of medians) and the
+    median/min/max of the per-round paired ratios ``baseline / call`` (> 1 means faster than the baseline)."""
     out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        ratios = [b / c for b, c in zip(samples[baseline], samples[name], strict=True)]
-        out[name] = {"median_ms": statistics.median(samples[name]), "rounds_ms": samples[name],
-                     "speedup_vs_" + baseline: statistics.median(samples[baseline]) / statistics.median(samples[name]),
+    for name, values in samples.items():
+        ratios = [b / c for b, c in zip(samples[baseline], values, strict=True)]
+        out[name] = {"median_ms": statistics.median(values), "rounds_ms": values,
+                     "speedup_vs_" + baseline: statistics.median(samples[baseline]) / statistics.median(values),
                      "paired_speedup_median": statistics.median(ratios),
                      "paired_speedup_min": min(ratios), "paired_speedup_max": max(ratios)}
     return out
+
+
+def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int, iters: int,
+                baseline: str) -> dict[str, dict[str, Any]]:
+    """:func:`interleaved_samples` summarised by :func:`paired_summary` (device time).
+
+    Returns per call: median milliseconds, the samples, ``speedup_vs_<baseline>`` (ratio of medians) and the
+    median/min/max of the per-round paired ratios ``baseline / call`` (> 1 means faster than the baseline).
+    """
+    samples = interleaved_samples(calls, device, rounds=rounds, warmup=warmup, iters=iters)
+    return paired_summary(samples.device_ms, baseline)
 
 
 def bf16_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
@@ -102,9 +151,12 @@ __all__ = [
     "WAN_TINY",
     "WORKLOADS",
     "Region",
+    "RoundSamples",
     "bf16_wan",
     "count_host_syncs",
     "interleaved",
+    "interleaved_samples",
+    "paired_summary",
     "provenance",
     "rel_l2",
     "sync",

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -53,19 +54,13 @@ def test_probe_and_accuracy_match_sdpa(fa3) -> None:  # noqa: ANN001
 
 @pytest.mark.skipif(not _sm90(), reason="fa3-fwd kernels are built for sm90")
 def test_attention_policy_routes_wan_self_attention_to_fa3(fa3) -> None:  # noqa: ANN001
-    from diffusers import WanTransformer3DModel
     from worldfoundry_attention_policy.options import Options
     from worldfoundry_attention_policy.plugin import make_prepare
 
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
-                                  text_dim=64, freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=64)
-    model = model.to("cuda", torch.bfloat16).eval()
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = {"hidden_states": torch.randn(1, 16, 4, 32, 32, device="cuda", dtype=torch.bfloat16, generator=g),
-              "timestep": torch.tensor([500], device="cuda"),
-              "encoder_hidden_states": torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g),
-              "return_dict": False}
+    model = testing.tiny_wan(0, weight_scale=None, attention_head_dim=128, text_dim=64, ffn_dim=256)
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {**testing.wan_inputs(model, frames=4, height=32, width=32, text_tokens=64, dtype=torch.bfloat16,
+                                   device="cuda"), "return_dict": False}
     with torch.no_grad():
         dense = model(**inputs)[0]
     providers = AttentionProviderRegistry(discover=False)

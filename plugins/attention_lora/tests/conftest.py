@@ -7,7 +7,9 @@ know the exact ``to_q``/``to_k``/``to_v`` matrices the plugin must apply.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from worldfoundry import testing
 
 TINY_H3_CONFIG: dict[str, Any] = dict(testing.MINIMAX_H3_TINY)
 TINY_WAN_CONFIG: dict[str, Any] = dict(testing.WAN_TINY)
+H3_CONFIG, WAN_CONFIG = TINY_H3_CONFIG, TINY_WAN_CONFIG
 
 
 def build_h3(seed: int = 0, **overrides: Any) -> nn.Module:
@@ -118,25 +121,15 @@ class ProjectionRecorder:
             h.remove()
 
 
-def state_snapshot(model: nn.Module) -> dict[str, Any]:
-    """Independent restore check: state dict values, parameter identities, instance dicts of every module."""
-    return {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "params": {n: id(p) for n, p in model.named_parameters()},
-        # the request guard the installer attaches stays by design (it belongs to the loader, not to a plugin)
-        "dicts": {n or "<root>": sorted(k for k in m.__dict__ if k != "_worldfoundry_guard")
-                  for n, m in model.named_modules()},
-        "forwards": [n for n, m in model.named_modules() if "forward" in m.__dict__],
-    }
+def state_snapshot(model: nn.Module) -> testing.ModelFingerprint:
+    """Independent restore check (:func:`worldfoundry.testing.fingerprint`, no forward) of the guarded model.
+
+    The request guard the installer attaches stays by design (it belongs to the loader, not to a plugin).
+    """
+    return testing.fingerprint(testing.guarded(model), forward=False)
 
 
-def assert_snapshot_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["params"] == b["params"]
-    assert a["dicts"] == b["dicts"]
-    assert a["forwards"] == b["forwards"] == []
-    assert list(a["state"]) == list(b["state"])
-    for k, v in a["state"].items():
-        assert torch.equal(v, b["state"][k]) and v.dtype == b["state"][k].dtype, k
+assert_snapshot_equal = testing.assert_same_model
 
 
 @pytest.fixture
@@ -150,21 +143,6 @@ def wan() -> nn.Module:
 
 
 @pytest.fixture
-def tools() -> Any:
+def tools() -> ModuleType:
     """The helpers above, for tests (pytest's importlib mode does not import conftest as a module)."""
-
-    class Tools:
-        build_h3 = staticmethod(build_h3)
-        build_wan = staticmethod(build_wan)
-        h3_inputs = staticmethod(h3_inputs)
-        wan_inputs = staticmethod(wan_inputs)
-        run = staticmethod(run)
-        make_h3_adapter = staticmethod(make_h3_adapter)
-        make_wan_adapter = staticmethod(make_wan_adapter)
-        ProjectionRecorder = ProjectionRecorder
-        state_snapshot = staticmethod(state_snapshot)
-        assert_snapshot_equal = staticmethod(assert_snapshot_equal)
-        H3_CONFIG = TINY_H3_CONFIG
-        WAN_CONFIG = TINY_WAN_CONFIG
-
-    return Tools
+    return sys.modules[__name__]

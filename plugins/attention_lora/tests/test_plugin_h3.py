@@ -61,7 +61,7 @@ def test_install_from_file_receipts_and_exact_restore(h3, tools, tmp_path) -> No
         assert inspect.signature(h3.get_submodule(p).forward) == sig, p
     # the base weights are untouched while the adapter is active
     for k, v in h3.state_dict().items():
-        assert torch.equal(v, before["state"][k]), k
+        assert torch.equal(v, before.state[k]), k
 
     guard = attach_request_guard(h3)
     with guard.request("r1"), request_scope(RequestContext("r1")):

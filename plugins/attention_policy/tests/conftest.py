@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from worldfoundry_attention_policy.options import Options
 from worldfoundry_attention_policy.plugin import make_prepare
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.registry import PLUGIN_ALLOWLIST_ENV, AccelerationRegistry
 from worldfoundry.core.attention.provider_registry import AttentionProviderRegistry
 
@@ -45,26 +45,11 @@ class WanCase:
 
 
 def build_wan(image: bool = False) -> WanCase:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
     extra = {"image_dim": 32, "added_kv_proj_dim": 64} if image else {}
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-                                  **extra).eval()
-    return WanCase(model, image)
+    return WanCase(testing.tiny_wan(0, weight_scale=None, **extra), image)
 
 
-class OpRecorder(TorchDispatchMode):
-    """The aten ops that ran inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+OpRecorder = testing.OpRecorder
 
 
 @pytest.fixture(autouse=True)

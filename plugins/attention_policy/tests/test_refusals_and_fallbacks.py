@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.attention.provider_registry import AttentionProviderRegistry
@@ -126,17 +127,8 @@ def test_non_native_diffusers_backend_refused_at_prepare_and_seen_at_run_time(wa
 
 
 def test_sana_linear_self_attention_is_refused_and_cross_is_routed(registry, providers, make_registry) -> None:
-    from diffusers import SanaVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    model = SanaVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32,
-                                        num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=32,
-                                        cross_attention_dim=64, caption_channels=32, patch_size=(1, 2, 2),
-                                        sample_size=8, rope_max_seq_len=64).eval()
-    mask = torch.ones(1, 12)
-    mask[:, 9:] = 0
-    inputs = {"hidden_states": torch.randn(1, 16, 2, 8, 8), "encoder_hidden_states": torch.randn(1, 12, 32),
-              "timestep": torch.tensor([500]), "encoder_attention_mask": mask, "return_dict": False}
+    model = testing.tiny_sana_video(0, patch_size=(1, 2, 2), rope_max_seq_len=64)
+    inputs = {**testing.sana_video_inputs(model, text_tokens=12, padded_tokens=3), "return_dict": False}
     with pytest.raises(AccelerationRefusedError, match="linear attention"):
         install_diffusion_accelerations(model, {"attention_policy": {"self": TEST_PROVIDER}}, registry=registry)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
@@ -20,11 +21,8 @@ from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 #: Where the builders put models and inputs by default (set by the ``kernels`` fixture).
 DEVICE = torch.device("cpu")
 
-WAN_TINY = dict(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32,
-                freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64)
-SANA_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
-                 num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32,
-                 patch_size=(1, 2, 2), sample_size=8, rope_max_seq_len=64)
+WAN_TINY = dict(testing.WAN_TINY)
+SANA_TINY = {**testing.SANA_VIDEO_TINY, "patch_size": (1, 2, 2), "rope_max_seq_len": 64}
 
 
 def kernel_device() -> tuple[torch.device | None, str]:
@@ -50,10 +48,7 @@ def _on(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def build_wan(dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: torch.device | str | None = None,
               **overrides: Any) -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**{**WAN_TINY, **overrides}).eval()
+    model = testing.tiny_wan(seed, weight_scale=None, **overrides)
     model = apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
     return model.to(_device(device))
 
@@ -75,10 +70,7 @@ def wan_inputs(dtype: torch.dtype = torch.bfloat16, seed: int = 1, *, text_token
 
 def build_sana(dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: torch.device | str | None = None
                ) -> nn.Module:
-    from diffusers import SanaVideoTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = SanaVideoTransformer3DModel(**SANA_TINY).eval()
+    model = testing.tiny_sana_video(seed, **SANA_TINY)
     model = apply_dtype_policy(model, dtype).eval() if dtype != torch.float32 else model
     return model.to(_device(device))
 
@@ -128,21 +120,12 @@ def record_of(session: Any, request_id: str, name: str = "wan_block_fusion") -> 
     return session.execution_report()["plugins"][name]["model"]["requests"][request_id]
 
 
-def structure(model: nn.Module) -> dict[str, Any]:
-    """What an exact restore must give back: state dict values, Parameter identities, forwards and processors."""
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "params": {k: id(v) for k, v in model.named_parameters()},
-        "forwards": {n: m.__dict__.get("forward") for n, m in model.named_modules()},
-        "processors": {n: id(getattr(m, "processor", None)) for n, m in model.named_modules()},
-    }
+def structure(model: nn.Module) -> testing.ModelFingerprint:
+    """What an exact restore must give back (:func:`worldfoundry.testing.fingerprint` of the guarded model)."""
+    return testing.fingerprint(testing.guarded(model), forward=False)
 
 
-def assert_same_structure(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["params"] == b["params"] and a["forwards"] == b["forwards"] and a["processors"] == b["processors"]
-    assert a["state"].keys() == b["state"].keys()
-    for key, value in a["state"].items():
-        assert torch.equal(value, b["state"][key]), key
+assert_same_structure = testing.assert_same_model
 
 
 @pytest.fixture

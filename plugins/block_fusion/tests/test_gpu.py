@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE
@@ -29,9 +30,7 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
 def _wan(layers: int) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WanTransformer3DModel(**{**WAN_1_3B, "num_layers": layers})
+    model = testing.seeded_model(WanTransformer3DModel, 0, device="cuda", **{**WAN_1_3B, "num_layers": layers})
     return apply_dtype_policy(model, torch.bfloat16).eval()
 
 
@@ -84,9 +83,7 @@ def test_w81_two_blocks_bitwise() -> None:
 def test_sana_video_480p_two_blocks_bitwise() -> None:
     from diffusers import SanaVideoTransformer3DModel
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = SanaVideoTransformer3DModel(num_layers=2)
+    model = testing.seeded_model(SanaVideoTransformer3DModel, 0, device="cuda", num_layers=2)
     model = apply_dtype_policy(model, torch.bfloat16).eval()
     g = torch.Generator(device="cuda").manual_seed(1)
     inputs = {"hidden_states": torch.randn(1, 16, 21, 60, 104, device="cuda", generator=g).bfloat16(),

@@ -11,9 +11,8 @@ import torch
 import torch.nn as nn
 from worldfoundry_cuda_graph.plugin import make_prepare
 
-from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry import testing
 from worldfoundry.core.acceleration.cuda_graph import EagerReplayBackend
-from worldfoundry.core.acceleration.guard import attach_request_guard, get_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 
 
@@ -42,27 +41,13 @@ class WanCase:
     def run_request(self, request_id: str, steps: int, branches: tuple[str, ...] = ("cond", "uncond"),
                     before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Begin a request on the model's guard, run steps x branches inside request scopes, end it."""
-        guard = get_request_guard(self.model) or attach_request_guard(self.model)
-        outputs = []
-        with guard.request(request_id):
-            for step in range(steps):
-                if before_step is not None:
-                    before_step(step)
-                for branch in branches:
-                    ctx = RequestContext(request_id, branch, step, float(900 - 100 * step), None, steps)
-                    with request_scope(ctx):
-                        outputs.append(self.call(step, branch))
-        return outputs
+        return testing.run_request(self.model, request_id, self.call, steps=steps, branches=branches,
+                                   timestep=lambda step: 900 - 100 * step, before_step=before_step)
 
 
 def build_wan(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, layers: int = 2,
               tokens: int = 24) -> WanCase:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
-                                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=layers, rope_max_seq_len=64)
-    model = model.to(device, dtype).eval()
+    model = testing.tiny_wan(seed, weight_scale=None, num_layers=layers).to(device, dtype)
     g = torch.Generator().manual_seed(7)
     return WanCase(model, {"cond": torch.randn(1, tokens, 32, generator=g).to(device, dtype),
                            "uncond": torch.randn(1, tokens, 32, generator=g).to(device, dtype)}, device, dtype)

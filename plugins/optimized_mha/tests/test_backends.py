@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.prepared import ROLE_APPROXIMATE_ATTENTION
 from worldfoundry.errors import AccelerationRefusedError, AttentionBackendError
@@ -13,14 +13,7 @@ from worldfoundry.errors import AccelerationRefusedError, AttentionBackendError
 CUDA = torch.cuda.is_available()
 
 
-class OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+OpRecorder = testing.OpRecorder
 
 
 FLASH_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"

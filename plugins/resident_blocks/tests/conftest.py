@@ -15,8 +15,6 @@ from diffusers import MiniMaxH3Transformer3DModel, WanTransformer3DModel
 from worldfoundry_resident_blocks.plugin import prepare
 
 from worldfoundry import testing
-from worldfoundry.core.acceleration.context import RequestContext, request_scope
-from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 
 TINY_WAN = dict(
@@ -90,14 +88,9 @@ def run_request(model: nn.Module, request_id: str, *, steps: int = 2, branches: 
                 inputs: dict[str, torch.Tensor] | None = None,
                 forward: Callable[..., torch.Tensor] = wan_forward) -> list[torch.Tensor]:
     """One request: ``steps`` × ``branches`` forwards inside the guard's request and a request context."""
-    guard = attach_request_guard(model)
-    outputs = []
-    with guard.request(request_id):
-        for step in range(steps):
-            for branch in branches:
-                with request_scope(RequestContext(request_id, branch, step, 1000.0 - step, None, steps)):
-                    outputs.append(forward(model, inputs) if inputs is not None else forward(model))
-    return outputs
+    return testing.run_request(
+        model, request_id, lambda step, branch: forward(model, inputs) if inputs is not None else forward(model),
+        steps=steps, branches=branches)
 
 
 @pytest.fixture

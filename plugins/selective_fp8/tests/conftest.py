@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -40,27 +42,10 @@ def run_wan(model: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return testing.run_model(model, wan_inputs(dtype))
 
 
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """Module tree, every module's instance attributes and containers (by identity), state dict values, output.
-
-    A dict (the tests drop the root's entry, where the request guard stays by design).
-    """
-    tree = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        attrs = {k: id(v) for k, v in module.__dict__.items()}
-        containers = {k: [(key, id(v)) for key, v in module.__dict__[k].items()]
-                      for k in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks")}
-        tree.append((name, id(module), attrs, containers))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"tree": tree, "state": state, "output": run_wan(model, next(model.parameters()).dtype)}
-
-
-def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    assert after["tree"] == before["tree"], "module tree, attributes or containers changed"
-    assert list(after["state"]) == list(before["state"])
-    for k, v in before["state"].items():
-        assert after["state"][k].dtype == v.dtype and torch.equal(after["state"][k], v), k
-    assert torch.equal(after["output"], before["output"]), "forward output is not bitwise identical"
+def fingerprint(model: nn.Module) -> testing.ModelFingerprint:
+    """:func:`worldfoundry.testing.fingerprint` of the guarded model (the request guard stays by design)."""
+    dtype = next(model.parameters()).dtype
+    return testing.fingerprint(testing.guarded(model), forward=lambda m: run_wan(m, dtype))
 
 
 def allow_cpu_fp8(session: Any, handle: Any) -> None:
@@ -91,23 +76,13 @@ def allow_cpu_fp8(session: Any, handle: Any) -> None:
     pytest.skip(f"no FP8 path on this CPU build (visible fallback checked): {verdict}")
 
 
-class Kit:
-    """The helpers above, handed to tests as the ``kit`` fixture (conftest modules are not importable)."""
-
-    WAN_FFN_PATHS = WAN_FFN_PATHS
-    build_wan = staticmethod(build_wan)
-    build_sana_video = staticmethod(build_sana_video)
-    build_minimax_h3 = staticmethod(build_minimax_h3)
-    wan_inputs = staticmethod(wan_inputs)
-    run_wan = staticmethod(run_wan)
-    fingerprint = staticmethod(fingerprint)
-    assert_same = staticmethod(assert_same)
-    allow_cpu_fp8 = staticmethod(allow_cpu_fp8)
+assert_same = testing.assert_same_model
 
 
 @pytest.fixture
-def kit() -> type[Kit]:
-    return Kit
+def kit() -> ModuleType:
+    """This module's helpers (conftest modules are not importable under importlib mode)."""
+    return sys.modules[__name__]
 
 
 @pytest.fixture

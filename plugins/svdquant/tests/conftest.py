@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 
-WAN_CONFIG: dict[str, Any] = dict(
-    num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
-    ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-)
+from worldfoundry import testing
+
+WAN_CONFIG: dict[str, Any] = dict(testing.WAN_TINY)
 WAN_FFN_PATHS = ["blocks.0.ffn.net.0.proj", "blocks.0.ffn.net.2", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"]
 
 
 def build_wan(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = WanTransformer3DModel(**WAN_CONFIG)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.05)
-    return model.to(dtype).eval()
+    return testing.tiny_wan(seed, weight_scale=0.05, dtype=dtype, **WAN_CONFIG)
 
 
 def wan_inputs(dtype: torch.dtype = torch.float32, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -66,39 +59,19 @@ def calibrate(model: nn.Module, out: Path, *, method: str = "svdquant", rank: in
     return save_svdquant_artifact(manifest, tensors, out)
 
 
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    tree = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        attrs = {k: id(v) for k, v in module.__dict__.items()}
-        containers = {k: [(key, id(v)) for key, v in module.__dict__[k].items()]
-                      for k in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks")}
-        tree.append((name, id(module), attrs, containers))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"tree": tree, "state": state, "output": run_wan(model, next(model.parameters()).dtype)}
+def fingerprint(model: nn.Module) -> testing.ModelFingerprint:
+    """:func:`worldfoundry.testing.fingerprint` of the guarded model (the request guard stays by design)."""
+    dtype = next(model.parameters()).dtype
+    return testing.fingerprint(testing.guarded(model), forward=lambda m: run_wan(m, dtype))
 
 
-def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    skip = {""}  # the request guard on the root stays attached by design
-    assert [e for e in after["tree"] if e[0] not in skip] == [e for e in before["tree"] if e[0] not in skip]
-    assert list(after["state"]) == list(before["state"])
-    for k, v in before["state"].items():
-        assert after["state"][k].dtype == v.dtype and torch.equal(after["state"][k], v), k
-    assert torch.equal(after["output"], before["output"]), "forward output is not bitwise identical"
-
-
-class Kit:
-    WAN_FFN_PATHS = WAN_FFN_PATHS
-    build_wan = staticmethod(build_wan)
-    wan_inputs = staticmethod(wan_inputs)
-    run_wan = staticmethod(run_wan)
-    calibrate = staticmethod(calibrate)
-    fingerprint = staticmethod(fingerprint)
-    assert_same = staticmethod(assert_same)
+assert_same = testing.assert_same_model
 
 
 @pytest.fixture
-def kit() -> type[Kit]:
-    return Kit
+def kit() -> ModuleType:
+    """This module's helpers (conftest modules are not importable under importlib mode)."""
+    return sys.modules[__name__]
 
 
 @pytest.fixture

@@ -12,8 +12,6 @@ import torch.nn as nn
 from worldfoundry_wan_cross_kv_fusion.plugin import prepare
 
 from worldfoundry import testing
-from worldfoundry.core.acceleration.context import RequestContext, request_scope
-from worldfoundry.core.acceleration.guard import get_request_guard
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 
 TEXT_TOKENS = 512  # Wan's processor splits image tokens off the front of a 512-token text context
@@ -39,20 +37,8 @@ class WanCase:
     def run_request(self, request_id: str, steps: int, branches: tuple[str, ...] = ("cond", "uncond"),
                     before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Begin a request on the model's guard, run steps x branches inside request scopes, end it."""
-        guard = get_request_guard(self.model)
-        outputs = []
-        guard.begin_request(request_id)
-        try:
-            for step in range(steps):
-                if before_step is not None:
-                    before_step(step)
-                for branch in branches:
-                    ctx = RequestContext(request_id, branch, step, float(900 - 100 * step), None, steps)
-                    with request_scope(ctx):
-                        outputs.append(self.call(step, branch))
-        finally:
-            guard.end_request(request_id)
-        return outputs
+        return testing.run_request(self.model, request_id, self.call, steps=steps, branches=branches,
+                                   timestep=lambda step: 900 - 100 * step, before_step=before_step)
 
     def dense_outputs(self, steps: int, branches: tuple[str, ...] = ("cond", "uncond")) -> list[torch.Tensor]:
         return [self.call(step, branch) for step in range(steps) for branch in branches]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from worldfoundry import testing
 from worldfoundry.core.attention.sdpa_backends import (
     SDPA_BACKENDS,
     is_backend_rejection,
@@ -21,16 +21,7 @@ from worldfoundry.errors import AttentionBackendError
 CUDA = torch.cuda.is_available()
 
 
-class OpRecorder(TorchDispatchMode):
-    """Records the aten ops that actually run (the backend's kernel or the math decomposition)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+OpRecorder = testing.OpRecorder
 
 
 def _qkv(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, ...]:

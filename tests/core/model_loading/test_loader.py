@@ -11,6 +11,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from worldfoundry import testing
 from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.model_loading.loader import split_component_options
@@ -205,8 +206,8 @@ def test_component_options_override_runtime_options() -> None:
 def test_apply_dtype_policy_rule() -> None:
     from diffusers import WanTransformer3DModel
 
-    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
-                                  text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1)
+    model = testing.seeded_model(WanTransformer3DModel, num_attention_heads=2, attention_head_dim=32, in_channels=4,
+                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1)
     apply_dtype_policy(model, torch.float16)
     assert model.proj_out.weight.dtype == torch.float16
     assert model.scale_shift_table.dtype == torch.float32

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel, SanaVideoTransformer3DModel, WanTransformer3DModel
 
+from worldfoundry import testing
 from worldfoundry.base_models.diffusion_model.optimizations.families import family_of
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 from worldfoundry.core.offload.block_probe import (
@@ -60,7 +61,7 @@ def test_wan_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
     inputs = build_probe_inputs(probe, frames=5, height=32, width=48, device=CPU, dtype=torch.bfloat16)
     assert inputs.tokens == 2 * 2 * 3  # latent 2 x 4 x 6, patch (1, 2, 2)
 
-    model = apply_dtype_policy(WanTransformer3DModel(**WAN).eval(), torch.bfloat16)
+    model = apply_dtype_policy(testing.seeded_model(WanTransformer3DModel, **WAN), torch.bfloat16)
     text = torch.randn(1, 512, WAN["text_dim"], dtype=torch.bfloat16)
     latents = torch.randn(1, WAN["in_channels"], 2, 4, 6, dtype=torch.bfloat16)
     real = _captured_block_inputs(model, lambda: model(latents, torch.tensor([500]), text))
@@ -83,7 +84,7 @@ def test_h3_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
                                 sequence_length=40)
     assert inputs.tokens == 40
     fresh = inputs.make()
-    model = apply_dtype_policy(MiniMaxH3Transformer3DModel(**H3).eval(), torch.bfloat16)
+    model = apply_dtype_policy(testing.seeded_model(MiniMaxH3Transformer3DModel, **H3), torch.bfloat16)
     rows, text, video = 40, 5, 35
     real = _captured_block_inputs(model, lambda: model(
         hidden_states=torch.randn(1, video, 16), audio_hidden_states=torch.randn(1, 0, 4),
@@ -106,8 +107,7 @@ def test_h3_probe_matches_the_models_own_block_inputs(tmp_path) -> None:
 
 
 def test_block_weights_come_from_the_checkpoint(tmp_path) -> None:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**WAN)
+    model = testing.seeded_model(WanTransformer3DModel, 0, **WAN)
     model.save_pretrained(tmp_path / "ckpt" / "transformer")
     source = resolve_dit_source(_config_file(tmp_path, WanTransformer3DModel, WAN), tmp_path / "ckpt")
     assert source.weights_dir == tmp_path / "ckpt" / "transformer"
@@ -125,8 +125,7 @@ def test_sana_video_probe_matches_the_models_own_block_inputs() -> None:
     assert inputs.tokens == 3 * 4 * 4  # latent 3 x 8 x 8, patch (1, 2, 2)
     fresh = inputs.make()
 
-    torch.manual_seed(0)
-    model = apply_dtype_policy(SanaVideoTransformer3DModel(**source.config).eval(), torch.bfloat16)
+    model = apply_dtype_policy(testing.seeded_model(SanaVideoTransformer3DModel, 0, **source.config), torch.bfloat16)
     text = probe.text_tokens or 300
     latents = torch.randn(1, source.config["in_channels"], 3, 8, 8, dtype=torch.bfloat16)
     caption = torch.randn(1, text, source.config["caption_channels"], dtype=torch.bfloat16)
@@ -167,7 +166,7 @@ def test_per_token_timesteps_and_codec_stride_come_from_the_recipe(tmp_path, mon
     assert inputs.tokens == 3 * 2 * 4  # latent 3 x 4 x 8 (16x spatial), patch (1, 2, 2)
     fresh = inputs.make()
 
-    model = WanTransformer3DModel(**source.config).eval()
+    model = testing.seeded_model(WanTransformer3DModel, **source.config)
     latents = torch.randn(1, source.config["in_channels"], 3, 4, 8)
     timestep = torch.full((1, inputs.tokens), 500)  # one per token, as the Wan2.2 TI2V driver passes them
     real = _captured_block_inputs(model, lambda: model(latents, timestep, torch.randn(1, 16, 32)))

@@ -337,13 +337,7 @@ def load_wan_video_codec(
     """
     spec, target = check_load_arguments(variant, device, dtype, fp8_calibration, fp8_backend, purpose,
                                         refused_options)
-    source: CodecSource | None = None
-    state_dict: dict[str, torch.Tensor] | None = None
-    if path is not None:
-        state_dict, source = _read_codec_source(path, spec, published_size, published_sha256,
-                                                need_sha=fp8_calibration is not None)
-    if fp8_calibration is not None:
-        _early_artifact_check(fp8_calibration, source)
+    state_dict, source = _read_optional_source(path, spec, published_size, published_sha256, fp8_calibration)
     module = _build_module(spec, state_dict, target, seed)
     del state_dict
     random_seed = (0 if seed is None else seed) if path is None else None
@@ -352,6 +346,21 @@ def load_wan_video_codec(
         codec.fp8_session = install_fp8_encoder(codec, fp8_calibration, backend=fp8_backend, registry=registry)
     logger.info("loaded %s codec on %s from %s", spec.name, target, source.path if source else "random weights")
     return codec
+
+
+def _read_optional_source(path: str | os.PathLike[str] | None, spec: CodecVariant, published_size: int | None,
+                          published_sha256: str | None, fp8_calibration: str | os.PathLike[str] | None
+                          ) -> tuple[dict[str, torch.Tensor] | None, CodecSource | None]:
+    """The checked state dict and source of ``path`` (``(None, None)`` for random weights); an FP8 artifact
+    is checked against that source before anything is built."""
+    source: CodecSource | None = None
+    state_dict: dict[str, torch.Tensor] | None = None
+    if path is not None:
+        state_dict, source = _read_codec_source(path, spec, published_size, published_sha256,
+                                                need_sha=fp8_calibration is not None)
+    if fp8_calibration is not None:
+        _early_artifact_check(fp8_calibration, source)
+    return state_dict, source
 
 
 def _verify_published(weights_file: Any, spec: CodecVariant, size: int | None,

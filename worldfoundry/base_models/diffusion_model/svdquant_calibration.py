@@ -34,7 +34,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.projection_selection
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
 from worldfoundry.core.acceleration.quantization.svdquant_artifact import ARTIFACT_FORMAT, METHODS
-from worldfoundry.core.acceleration.quantization.svdquant_numerics import decompose, weight_rel_error
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight, decompose, weight_rel_error
 from worldfoundry.errors import AccelerationRefusedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -146,11 +146,7 @@ def build_svdquant_artifact(
     linears: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     for s in selected:
-        stats = None
-        if absmax is not None:
-            stats = absmax.get(s.path)
-            if stats is None or not bool(torch.isfinite(stats).all()):
-                raise InvalidRequestError(f"{s.path}: calibration saw no finite input; check the requests/include")
+        stats = _finite_stats(absmax, s.path)
         w_digest = next(digests)
         b_digest = next(digests) if s.module.bias is not None else None
         with torch.no_grad():
@@ -158,17 +154,42 @@ def build_svdquant_artifact(
                           act_absmax=stats, alpha=alpha, svd=svd)
         for name, tensor in q.tensors().items():
             tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
-        linears[s.path] = {
-            "in_features": s.module.in_features, "out_features": s.module.out_features, "rank": q.rank,
-            "smoothed": q.inv_smooth is not None,
-            "source": {"weight": _digest_record(s.module.weight, w_digest), "bias": _digest_record(s.module.bias, b_digest)},
-            "calibration": {"calls": observer.calls.get(s.path, 0) if observer else 0,
-                            "rows": observer.rows.get(s.path, 0) if observer else 0},
-            "diagnostics": {"weight_rel_l2": weight_rel_error(s.module.weight, q)},
-        }
+        linears[s.path] = _linear_record(s, q, w_digest, b_digest, observer)
+    manifest = _manifest(model, selected, method=method, rank=rank, group_size=group_size, alpha=alpha, svd=svd,
+                         include=include, calibration=calibration, linears=linears)
+    return manifest, tensors
+
+
+def _finite_stats(absmax: Mapping[str, torch.Tensor] | None, path: str) -> torch.Tensor | None:
+    """``path``'s input absmax (``None`` without statistics); refused when it is missing or not finite."""
+    if absmax is None:
+        return None
+    stats = absmax.get(path)
+    if stats is None or not bool(torch.isfinite(stats).all()):
+        raise InvalidRequestError(f"{path}: calibration saw no finite input; check the requests/include")
+    return stats
+
+
+def _linear_record(s: SelectedLinear, q: SVDQuantWeight, w_digest: str, b_digest: str | None,
+                   observer: InputAbsmaxObserver | None) -> dict[str, Any]:
+    """The manifest entry of one decomposed Linear: shape, rank, source digests, calibration counts, error."""
+    return {
+        "in_features": s.module.in_features, "out_features": s.module.out_features, "rank": q.rank,
+        "smoothed": q.inv_smooth is not None,
+        "source": {"weight": _digest_record(s.module.weight, w_digest), "bias": _digest_record(s.module.bias, b_digest)},
+        "calibration": {"calls": observer.calls.get(s.path, 0) if observer else 0,
+                        "rows": observer.rows.get(s.path, 0) if observer else 0},
+        "diagnostics": {"weight_rel_l2": weight_rel_error(s.module.weight, q)},
+    }
+
+
+def _manifest(model: nn.Module, selected: Sequence[SelectedLinear], *, method: str, rank: int, group_size: int,
+              alpha: float, svd: str, include: Sequence[str], calibration: Mapping[str, Any] | None,
+              linears: dict[str, Any]) -> dict[str, Any]:
+    """The artifact's manifest: format, settings, model, provenance (versions, time) and the Linears."""
     import diffusers
 
-    manifest = {
+    return {
         "format": ARTIFACT_FORMAT, "method": method, "rank": int(rank), "group_size": int(group_size),
         "alpha": float(alpha) if method == "svdquant" else None, "svd": svd if rank else None,
         "weight_bits": 4, "activation_bits": 8, "lowrank_dtype": "bfloat16", "scale_dtype": "bfloat16",
@@ -178,7 +199,6 @@ def build_svdquant_artifact(
                         "torch": str(torch.__version__), "diffusers": str(diffusers.__version__)},
         "linears": linears,
     }
-    return manifest, tensors
 
 
 def _family_name(model: nn.Module) -> str | None:
@@ -212,7 +232,6 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
     Raises:
         InvalidRequestError: evaluation seeds used for calibration, no seeds, an accelerated model, or bad include.
     """
-    from worldfoundry.base_models.diffusion_model.request import DiffusionRequest
     from worldfoundry.core.acceleration.session import get_session
 
     seeds = [int(s) for s in seeds]
@@ -225,23 +244,11 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
     if get_session(model) is not None:
         raise InvalidRequestError("calibrate the dense model: uninstall its accelerations first")
     selected = select_for_calibration(model, include)
-    sources = []
     out_dir = Path(references) if references is not None else None
     with InputAbsmaxObserver(selected) as observer:
-        for i, seed in enumerate(seeds):
-            prompt = prompts[i % len(prompts)]
-            request = DiffusionRequest(prompt=prompt, seed=seed, num_frames=frames, height=height, width=width,
-                                       num_inference_steps=steps, guidance_scale=guidance,
-                                       request_id=f"calibration-{seed}", output_type="np")
-            result = pipe.generate(request)
-            entry = {"prompt": prompt, "seed": seed, "latent_shape": list(result.latents.shape)}
-            if out_dir is not None:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                ref = out_dir / f"calibration_{seed}.pt"
-                video = torch.from_numpy(result.frames.copy()) if result.frames is not None else None
-                torch.save({"latents": result.latents.detach().cpu(), "video": video, "prompt": prompt, "seed": seed}, ref)
-                entry["reference"] = str(ref)
-            sources.append(entry)
+        sources = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, frames=frames, height=height,
+                                        width=width, steps=steps, guidance=guidance)
+                   for i, seed in enumerate(seeds)]
     recipe = getattr(getattr(pipe, "recipe", None), "name", None)
     provenance = {"recipe": recipe, "requests": sources, "seeds": seeds, "frames": frames, "height": height,
                   "width": width, "steps": steps, "guidance": guidance,
@@ -249,6 +256,24 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     return build_svdquant_artifact(model, selected, observer.absmax, include=include, calibration=provenance,
                                    observer=observer, **decomposition)
+
+
+def _calibration_request(pipe: Any, prompt: str, seed: int, out_dir: Path | None, **size: Any) -> dict[str, Any]:
+    """Generate one calibration request; its provenance entry (and ``calibration_<seed>.pt`` under ``out_dir``)."""
+    from worldfoundry.base_models.diffusion_model.request import DiffusionRequest
+
+    request = DiffusionRequest(prompt=prompt, seed=seed, num_frames=size["frames"], height=size["height"],
+                               width=size["width"], num_inference_steps=size["steps"],
+                               guidance_scale=size["guidance"], request_id=f"calibration-{seed}", output_type="np")
+    result = pipe.generate(request)
+    entry: dict[str, Any] = {"prompt": prompt, "seed": seed, "latent_shape": list(result.latents.shape)}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ref = out_dir / f"calibration_{seed}.pt"
+        video = torch.from_numpy(result.frames.copy()) if result.frames is not None else None
+        torch.save({"latents": result.latents.detach().cpu(), "video": video, "prompt": prompt, "seed": seed}, ref)
+        entry["reference"] = str(ref)
+    return entry
 
 
 __all__ = [

@@ -60,6 +60,31 @@ def resolve_backend(backend: str, device: torch.device) -> tuple[str, str | None
     return (MODE_SCALED_MM, None) if reason is None else (MODE_FALLBACK, reason)
 
 
+def _refuse_not_student(model: nn.Module) -> None:
+    """Refuse anything but the LightVAE student's encoder, saying where to install instead."""
+    problem = encoder_is_student(model)
+    if problem is not None:
+        raise AccelerationRefusedError(
+            PLUGIN_NAME, f"{problem}; install it on the LightVAE student's encoder (codec.module.encoder), e.g. "
+            "with load_wan_video_codec(path, variant='lightvae-wan21', fp8_calibration=artifact)"
+        )
+
+
+def _notes(mode: str, reason: str | None, device: torch.device) -> tuple[str, ...]:
+    """The receipt's notes: what is approximate, and which backend runs (or why every call falls back)."""
+    notes = [
+        ("algorithmically approximate: LightVAE is a different learned codec, and its encoder convolutions run "
+         "with FP8 e4m3 inputs (static calibrated per-tensor scale) and weights (per-output-channel scale)"),
+    ]
+    if mode == MODE_FALLBACK:
+        notes.append(f"dense FP32 fallback on every selected convolution: {reason}")
+    elif mode == MODE_REFERENCE:
+        notes.append("torch reference backend (dequantized FP8 through F.conv3d): numerics check, not an acceleration")
+    elif device.type != "cuda":
+        notes.append(f"torch._scaled_mm on {device.type}: numerics check, not an acceleration")
+    return tuple(notes)
+
+
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
     """Validate options, model and artifact; return the plan (the model is not changed).
 
@@ -79,12 +104,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     """
     opts = Options.from_mapping(options)
     refuse_common(model, PLUGIN_NAME)
-    problem = encoder_is_student(model)
-    if problem is not None:
-        raise AccelerationRefusedError(
-            PLUGIN_NAME, f"{problem}; install it on the LightVAE student's encoder (codec.module.encoder), e.g. "
-            "with load_wan_video_codec(path, variant='lightvae-wan21', fp8_calibration=artifact)"
-        )
+    _refuse_not_student(model)
     artifact = load_artifact(opts.calibration)
     bound = validate_artifact(artifact, model, checkpoint_sha256=opts.checkpoint_sha256, where=opts.calibration)
     refuse_module_hooks(((b.relative_path, b.module) for b in bound), PLUGIN_NAME)
@@ -97,16 +117,6 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     def activate() -> Fp8EncoderHandle:
         return activate_fp8_encoder(bound, opts, mode=mode, fallback_reason=reason)
 
-    notes = [
-        ("algorithmically approximate: LightVAE is a different learned codec, and its encoder convolutions run "
-         "with FP8 e4m3 inputs (static calibrated per-tensor scale) and weights (per-output-channel scale)"),
-    ]
-    if mode == MODE_FALLBACK:
-        notes.append(f"dense FP32 fallback on every selected convolution: {reason}")
-    elif mode == MODE_REFERENCE:
-        notes.append("torch reference backend (dequantized FP8 through F.conv3d): numerics check, not an acceleration")
-    elif device.type != "cuda":
-        notes.append(f"torch._scaled_mm on {device.type}: numerics check, not an acceleration")
     receipt_options = {
         **opts.to_json(),
         "resolved_backend": mode,
@@ -123,7 +133,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         incompatible_with=frozenset({ROLE_OFFLOAD}),
         options=receipt_options,
         exact=False,
-        notes=tuple(notes),
+        notes=_notes(mode, reason, device),
     )
 
 

@@ -100,6 +100,37 @@ def fusion_note(fused: Sequence[FusableFFN], not_fused: Mapping[str, str]) -> st
     return text
 
 
+def _select(model: nn.Module, include: Sequence[str], exclude: Sequence[str]) -> list[SelectedLinear]:
+    """The Linears ``include``/``exclude`` select, refused unless ``torch._scaled_mm`` can take all of them."""
+    selected = select_linears(model, include, exclude, plugin=PLUGIN_NAME)
+    refuse_shared_parameters(model, selected, plugin=PLUGIN_NAME)
+    refuse_module_hooks([(s.path, s.module) for s in selected], PLUGIN_NAME)
+    refuse_misaligned(
+        selected, SCALED_MM_ALIGNMENT, plugin=PLUGIN_NAME,
+        why="torch._scaled_mm needs in_features and out_features divisible by 16",
+    )
+    _refuse_weight_dtypes(selected)
+    return selected
+
+
+def _activate(model: nn.Module, opts: Options, selected: Sequence[SelectedLinear], fused: Sequence[FusableFFN],
+              not_fused: Mapping[str, str]) -> SelectiveFP8Handle:
+    """Quantize the selected weights and wrap their forwards (and the fused FFNs'), every change recorded."""
+    ledger = ExecutionLedger(PLUGIN_NAME)
+    with PatchRecorder(PLUGIN_NAME) as rec:
+        guard = install_weight_view_guard(rec, model, {s.path: s.module for s in selected}, plugin=PLUGIN_NAME)
+        runtime = SelectiveFP8Runtime(opts, ledger, guard)
+        for s in selected:
+            runtime.add(s.path, s.module, quantize_weight_rowwise_fp8(s.module.weight))
+            rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+        for plan in fused:
+            rec.wrap_forward(plan.ffn, FusedFFN(runtime, plan).make_wrapper, name=PLUGIN_NAME)
+        runtime.fused_ffns = tuple(plan.claim for plan in fused)
+        runtime.not_fused = dict(not_fused)
+        patches = rec.pop_all()
+    return SelectiveFP8Handle(patches, ledger, runtime)
+
+
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
     """Validate options and model; return the plan (the model is not changed).
 
@@ -125,30 +156,11 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     refuse_common(model, PLUGIN_NAME)
     _refuse_gradient_checkpointing(model)
     include = opts.include if opts.include is not None else default_include(model)
-    selected = select_linears(model, include, opts.exclude, plugin=PLUGIN_NAME)
-    refuse_shared_parameters(model, selected, plugin=PLUGIN_NAME)
-    refuse_module_hooks([(s.path, s.module) for s in selected], PLUGIN_NAME)
-    refuse_misaligned(
-        selected, SCALED_MM_ALIGNMENT, plugin=PLUGIN_NAME,
-        why="torch._scaled_mm needs in_features and out_features divisible by 16",
-    )
-    _refuse_weight_dtypes(selected)
+    selected = _select(model, include, opts.exclude)
     fused, not_fused = plan_ffn_fusion(model, [s.path for s in selected], enabled=opts.fuse_gelu)
 
     def activate() -> SelectiveFP8Handle:
-        ledger = ExecutionLedger(PLUGIN_NAME)
-        with PatchRecorder(PLUGIN_NAME) as rec:
-            guard = install_weight_view_guard(rec, model, {s.path: s.module for s in selected}, plugin=PLUGIN_NAME)
-            runtime = SelectiveFP8Runtime(opts, ledger, guard)
-            for s in selected:
-                runtime.add(s.path, s.module, quantize_weight_rowwise_fp8(s.module.weight))
-                rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
-            for plan in fused:
-                rec.wrap_forward(plan.ffn, FusedFFN(runtime, plan).make_wrapper, name=PLUGIN_NAME)
-            runtime.fused_ffns = tuple(plan.claim for plan in fused)
-            runtime.not_fused = dict(not_fused)
-            patches = rec.pop_all()
-        return SelectiveFP8Handle(patches, ledger, runtime)
+        return _activate(model, opts, selected, fused, not_fused)
 
     resolved = opts.to_json()
     resolved["include"] = list(include)

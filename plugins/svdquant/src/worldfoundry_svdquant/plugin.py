@@ -116,6 +116,25 @@ def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
             "calibration_seeds": list((m.get("calibration") or {}).get("seeds", []))}
 
 
+def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selected: Sequence[SelectedLinear],
+              summary: dict[str, Any]) -> SVDQuantHandle:
+    """Bind the artifact's weights, move dense weights to the host if asked, guard and wrap (all recorded)."""
+    ledger = ExecutionLedger(PLUGIN_NAME)
+    runtime = SVDQuantRuntime(opts, ledger)
+    with PatchRecorder(PLUGIN_NAME) as rec:
+        for s in selected:
+            runtime.add(s.path, s.module, artifact.weight(s.path, s.module.weight.device))
+        if opts.keep_original == "cpu":
+            for s in selected:
+                runtime.move_dense_to_host(rec, s.path)
+        runtime.guard = install_weight_view_guard(rec, model, {s.path: s.module for s in selected},
+                                                  plugin=PLUGIN_NAME)
+        for s in selected:
+            rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+        patches = rec.pop_all()
+    return SVDQuantHandle(patches, ledger, runtime, summary)
+
+
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
     """Validate options, read the artifact and bind it to the model (nothing is changed).
 
@@ -145,20 +164,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     summary = _artifact_summary(artifact)
 
     def activate() -> SVDQuantHandle:
-        ledger = ExecutionLedger(PLUGIN_NAME)
-        runtime = SVDQuantRuntime(opts, ledger)
-        with PatchRecorder(PLUGIN_NAME) as rec:
-            for s in selected:
-                runtime.add(s.path, s.module, artifact.weight(s.path, s.module.weight.device))
-            if opts.keep_original == "cpu":
-                for s in selected:
-                    runtime.move_dense_to_host(rec, s.path)
-            runtime.guard = install_weight_view_guard(rec, model, {s.path: s.module for s in selected},
-                                                      plugin=PLUGIN_NAME)
-            for s in selected:
-                rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
-            patches = rec.pop_all()
-        return SVDQuantHandle(patches, ledger, runtime, summary)
+        return _activate(model, opts, artifact, selected, summary)
 
     resolved = opts.to_json()
     resolved["modules"] = len(selected)

@@ -10,7 +10,7 @@ always-called forward hook on the model (all recorded); the runtime lives in :mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -29,6 +29,8 @@ from worldfoundry.plugin import (
     ROLE_OFFLOAD,
     ROLE_STATIC_KV_CACHE,
     AccelerationRefusedError,
+    AttentionSite,
+    ModelFamily,
     ParameterPackingError,
     PatchRecorder,
     PreparedAcceleration,
@@ -72,25 +74,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         raise AccelerationRefusedError(
             PLUGIN_NAME, "include_image=True but the model has no image K/V projections (not an I2V model)"
         )
-    groups: list[ProjectionGroup] = []
-    norms: dict[int, tuple[str, nn.Module]] = {}
-    for site in sites:
-        check_attention_site(site, family, PLUGIN_NAME)
-        for group in projection_groups(site, include_image=opts.include_image):
-            named = group.named_modules()
-            norm = key_norm(group)
-            if norm is not None:
-                named = [*named, norm]
-                norms[len(groups)] = norm
-            refuse_module_hooks(named, PLUGIN_NAME)
-            try:
-                check_linears_packable(group.named_modules(), share_storage=False)
-            except ParameterPackingError as exc:
-                raise AccelerationRefusedError(PLUGIN_NAME, f"cannot pack {group.name} of {site.path}: {exc}") from exc
-            groups.append(group)
-    derived_bytes = sum(m.weight.numel() * m.weight.element_size() + (m.bias.numel() * m.bias.element_size()
-                                                                      if m.bias is not None else 0)
-                        for g in groups for m in g.modules()) if opts.pack else 0
+    groups, norms = _packable_groups(sites, family, include_image=opts.include_image)
+    derived_bytes = _weight_bytes(groups) if opts.pack else 0
     claims = {path for g in groups for path in g.paths()} | {path for path, _ in norms.values()}
     claims.add(ROLE_STATIC_KV_CACHE)
     return PreparedAcceleration(
@@ -110,6 +95,40 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
              if opts.pack else "exact by construction: cached outputs of the original projections"),
         ),
     )
+
+
+def _packable_groups(sites: Sequence[AttentionSite], family: ModelFamily, *, include_image: bool
+                     ) -> tuple[list[ProjectionGroup], dict[int, tuple[str, nn.Module]]]:
+    """The K/V projection groups of every cross-attention site and, by group index, their key norms.
+
+    Raises:
+        AccelerationRefusedError: an unknown processor, hooks on a projection or its norm, or projections
+            that cannot be packed (named with the site).
+    """
+    groups: list[ProjectionGroup] = []
+    norms: dict[int, tuple[str, nn.Module]] = {}
+    for site in sites:
+        check_attention_site(site, family, PLUGIN_NAME)
+        for group in projection_groups(site, include_image=include_image):
+            named = group.named_modules()
+            norm = key_norm(group)
+            if norm is not None:
+                named = [*named, norm]
+                norms[len(groups)] = norm
+            refuse_module_hooks(named, PLUGIN_NAME)
+            try:
+                check_linears_packable(group.named_modules(), share_storage=False)
+            except ParameterPackingError as exc:
+                raise AccelerationRefusedError(PLUGIN_NAME, f"cannot pack {group.name} of {site.path}: {exc}") from exc
+            groups.append(group)
+    return groups, norms
+
+
+def _weight_bytes(groups: Sequence[ProjectionGroup]) -> int:
+    """Bytes of the groups' weights and biases (what packed copies add)."""
+    return sum(m.weight.numel() * m.weight.element_size()
+               + (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0)
+               for g in groups for m in g.modules())
 
 
 def key_norm(group: ProjectionGroup) -> tuple[str, nn.Module] | None:

@@ -32,7 +32,7 @@ rejected by name. Nothing here changes the model.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -199,6 +199,32 @@ def _linear_features(model: nn.Module, path: str, key: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------- MiniMax-H3
+def _check_h3_keys(found: Mapping[str, str], sources: Sequence[str], dit: int, refiner: int,
+                   expected_count: int) -> None:
+    """Every found key names an existing block, and every block's four LoRA tensors are present.
+
+    Raises:
+        ArtifactMismatchError: a block index out of range, or a missing tensor (with the expected count).
+    """
+    for normalized, key in found.items():
+        match = _H3_KEY.fullmatch(normalized)
+        limit = dit if match.group(1) == "blocks" else refiner  # type: ignore[union-attr]
+        if int(match.group(2)) >= limit:  # type: ignore[union-attr]
+            raise ArtifactMismatchError(
+                f"{key!r}: block index {match.group(2)} is out of range; the model has {limit} such blocks"  # type: ignore[union-attr]
+            )
+    for source in sources:
+        for module in ("qkv_proj", "out_proj"):
+            for half in ("A", "B"):
+                name = f"{source}.attn.{module}.lora_{half}.weight"
+                if name not in found:
+                    raise ArtifactMismatchError(
+                        f"{name!r}: missing; a MiniMax-H3 attention adapter holds lora_A/lora_B of qkv_proj and "
+                        f"out_proj for every DiT and token-refiner block: {expected_count} tensors = 4 × "
+                        f"({dit} + {refiner}), found {len(found)}"
+                    )
+
+
 def _parse_minimax_h3(model: nn.Module, state: Mapping[str, Any], rank: int, qkv_layout: str) -> AttentionLoraPlan:
     found = _index_keys(state, _H3_KEY, _H3_PREFIXES,
                         "'[diffusion_model.]blocks.{i}.attn.{qkv_proj,out_proj}.lora_{A,B}[.default].weight' or "
@@ -209,24 +235,7 @@ def _parse_minimax_h3(model: nn.Module, state: Mapping[str, Any], rank: int, qkv
     sources = [(f"blocks.{i}", path, True) for i, path in enumerate(dit)]
     sources += [(f"token_refiner.blocks.{j}", path, False) for j, path in enumerate(refiner)]
     expected_count = minimax_h3_expected_tensor_count(len(dit), len(refiner))
-
-    for normalized, key in found.items():
-        match = _H3_KEY.fullmatch(normalized)
-        limit = len(dit) if match.group(1) == "blocks" else len(refiner)  # type: ignore[union-attr]
-        if int(match.group(2)) >= limit:  # type: ignore[union-attr]
-            raise ArtifactMismatchError(
-                f"{key!r}: block index {match.group(2)} is out of range; the model has {limit} such blocks"  # type: ignore[union-attr]
-            )
-    for source, _, _ in sources:
-        for module in ("qkv_proj", "out_proj"):
-            for half in ("A", "B"):
-                name = f"{source}.attn.{module}.lora_{half}.weight"
-                if name not in found:
-                    raise ArtifactMismatchError(
-                        f"{name!r}: missing; a MiniMax-H3 attention adapter holds lora_A/lora_B of qkv_proj and "
-                        f"out_proj for every DiT and token-refiner block: {expected_count} tensors = 4 × "
-                        f"({len(dit)} + {len(refiner)}), found {len(found)}"
-                    )
+    _check_h3_keys(found, [source for source, _, _ in sources], len(dit), len(refiner), expected_count)
 
     projections: list[AdaptedProjection] = []
     validated_only: list[str] = []

@@ -318,6 +318,15 @@ def check_clip_counter(clip_counter: torch.Tensor | None, x: torch.Tensor) -> No
         raise QuantizationInputError("clip_counter must be a one-element int32 tensor on the input's device")
 
 
+def _launch_on(device: torch.device, grid: tuple[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Launch the kernel with ``device`` current (a CUDA tensor on another than the current device)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
+    else:
+        _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
+
+
 def launch_rowwise_fp8(
     x: torch.Tensor,
     *,
@@ -373,12 +382,7 @@ def launch_rowwise_fp8(
             "SOFTWARE_ROUNDING": interpreted if software_rounding is None else bool(software_rounding),
             "num_warps": num_warps,
         }
-        grid = (triton.cdiv(m, block_m),)
-        if x.device.type == "cuda" and x.device.index is not None and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
-        else:
-            _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
+        _launch_on(x.device, (triton.cdiv(m, block_m),), args, kwargs)
     return q.view(shape), scale.view(*shape[:-1], 1), act.view(shape) if act is not None else None
 
 
