@@ -76,3 +76,23 @@ def test_core_names_no_model_layer_option(path: Path) -> None:
     text = path.read_text()
     found = sorted(key for key in _model_layer_option_keys() if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", text))
     assert not found, f"{path.relative_to(ROOT)} names model-layer option(s) {found}; declare them from the model layer"
+
+
+@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_names_no_model_layer_module(path: Path) -> None:
+    """Not even as a string that ``importlib`` would load later: the model layer registers what core may load."""
+    found = re.findall(r"worldfoundry\.base_models[\w.]*", path.read_text())
+    assert not found, f"{path.relative_to(ROOT)} names {sorted(set(found))}; register it from the model layer"
+
+
+def test_model_layer_classes_are_registered_to_core() -> None:
+    from worldfoundry.base_models.runtime_options import MODEL_LAYER_CLASSES
+    from worldfoundry.core.model_loading.class_allowlist import PROJECT_CLASSES, register_project_class, resolve_class
+
+    assert MODEL_LAYER_CLASSES.items() <= PROJECT_CLASSES.items()
+    reference = "worldfoundry.base_models.diffusion_model.patch_codec.PixelPatchCodec"
+    assert resolve_class(reference, recipe="r", component="codec").__name__ == "PixelPatchCodec"
+    with pytest.raises(ValueError, match="project classes live in the worldfoundry package"):
+        register_project_class("os.system", "os", "system")
+    with pytest.raises(ValueError, match="already registered"):
+        register_project_class(reference, "worldfoundry.elsewhere", "PixelPatchCodec")

@@ -7,7 +7,9 @@ reference resolves only to
   model (``ModelMixin``) or a scheduler (``SchedulerMixin``);
 * a public class exported at the top level of ``transformers`` (``transformers.UMT5EncoderModel``) that is a
   model, a model config, a tokenizer or an image processor;
-* one of this project's own component classes (:data:`PROJECT_CLASSES`);
+* one of this project's own component classes, registered by the layer that defines it through
+  :func:`register_project_class` (core names none of them; the model layer registers its codec class when
+  the ``worldfoundry`` package is imported);
 * a class that an installed distribution registers under the entry-point group ``worldfoundry.classes``
   (entry point name = the reference as written in recipes, value = ``"package.module:Class"``), filtered by
   ``WORLDFOUNDRY_PLUGINS`` like acceleration plugins.
@@ -37,13 +39,31 @@ from worldfoundry.errors import ClassNotAllowedError, RecipeError
 
 #: Entry-point group through which installed distributions add classes recipes may name.
 CLASS_ENTRY_POINT_GROUP: Final = "worldfoundry.classes"
-#: This project's own component classes: reference -> (module, attribute). The strings are ours, not a file's.
-PROJECT_CLASSES: Final[dict[str, tuple[str, str]]] = {
-    "worldfoundry.base_models.diffusion_model.patch_codec.PixelPatchCodec": (
-        "worldfoundry.base_models.diffusion_model.patch_codec", "PixelPatchCodec"),
-}
+#: This project's own component classes: reference -> (module, attribute), filled by
+#: :func:`register_project_class` from code (never from a file).
+PROJECT_CLASSES: Final[dict[str, tuple[str, str]]] = {}
 _PUBLIC_CLASS_NAME: Final = re.compile(r"[A-Z][A-Za-z0-9]*")
 _LIBRARIES: Final = ("diffusers", "transformers")
+
+
+def register_project_class(reference: str, module: str, attribute: str) -> None:
+    """Let recipes name one of this project's classes as ``reference``; it is imported only when a recipe uses it.
+
+    Args:
+        reference: the name recipes write (``"worldfoundry.<module path>.<Class>"``).
+        module: the module that defines it (imported lazily, at resolution).
+        attribute: the class's name in that module.
+
+    Raises:
+        ValueError: ``reference`` or ``module`` outside the ``worldfoundry`` package, or ``reference`` already
+            registered for another class.
+    """
+    if not (reference.startswith("worldfoundry.") and module.startswith("worldfoundry.")):
+        raise ValueError(f"project classes live in the worldfoundry package: got {reference!r} from {module!r}")
+    previous = PROJECT_CLASSES.get(reference)
+    if previous is not None and previous != (module, attribute):
+        raise ValueError(f"project class {reference!r} is already registered as {previous[0]}.{previous[1]}")
+    PROJECT_CLASSES[reference] = (module, attribute)
 
 
 def _library_bases(library: str) -> tuple[type, ...]:
@@ -129,4 +149,4 @@ def resolve_class(reference: object, *, recipe: str, component: str, field: str 
                   why="not a top-level diffusers/transformers class, a worldfoundry class or a registered class")
 
 
-__all__ = ["CLASS_ENTRY_POINT_GROUP", "PROJECT_CLASSES", "resolve_class"]
+__all__ = ["CLASS_ENTRY_POINT_GROUP", "PROJECT_CLASSES", "register_project_class", "resolve_class"]
