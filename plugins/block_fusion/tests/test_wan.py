@@ -152,3 +152,32 @@ def test_a_hook_added_after_install_still_runs_and_stays_bitwise() -> None:
     handle.remove()
     assert seen and torch.equal(out, dense)
     assert record_of(session, "r1")["counters"]["float_carry"] == 4
+
+
+def test_precompile_covers_every_kernel_variant_the_first_forward_launches(monkeypatch) -> None:  # noqa: ANN001
+    from worldfoundry.core.fusion import adaln, rope
+    from worldfoundry_block_fusion.wan_block import WanBlockRuntime
+
+    model = build_wan()
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model)
+    seen: list[set] = []
+    original = WanBlockRuntime.precompile
+
+    def spy(self, *args):  # noqa: ANN001, ANN202
+        original(self, *args)
+        seen.append(set(adaln._PLANS) | set(rope._PLANS))
+
+    monkeypatch.setattr(WanBlockRuntime, "precompile", spy)
+    adaln._PLANS.clear()
+    rope._PLANS.clear()
+    out = run(model, inputs, "r1")
+    assert torch.equal(out, dense)
+    assert len(seen) == 1  # once per model, at its first fused block
+    # modulate, gated residual (+ float32 carry), cross residual, rotary: no plan appears after precompilation
+    assert len(seen[0]) == 4 and set(adaln._PLANS) | set(rope._PLANS) == seen[0]
+    record = record_of(session, "r1")
+    for chain, n in ALL.items():  # precompilation counts nothing
+        assert record["counters"][chain] == n, chain
+    session.uninstall()

@@ -109,6 +109,60 @@ def direct_launch(enabled: bool) -> Iterator[None]:
         _ENABLED[0] = previous
 
 
+#: The launches recorded by an active :func:`precompile` block (``None``: launches run).
+_RECORDING: list[list[tuple[Any, tuple[Any, ...]]] | None] = [None]
+#: Compile threads of :func:`precompile` (a Wan or SANA-Video block needs four to seven variants).
+PRECOMPILE_WORKERS: Final = 8
+
+
+@contextlib.contextmanager
+def precompile(workers: int = PRECOMPILE_WORKERS) -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
+    """Inside the block, fusion launches only *record* their kernel and arguments; nothing runs on the device.
+
+    On exit the recorded kernels that are not compiled yet are compiled concurrently (Triton's
+    ``AsyncCompileMode`` over a thread pool, one ``JITFunction.warmup`` per launch), so that a block's first
+    fused call finds every variant it needs in Triton's cache instead of compiling them one after another.
+    Outputs the recorded calls return are uninitialised. Under Triton's interpreter, or where Triton lacks
+    ``AsyncCompileMode``, nothing is compiled (the launches compile on first use as usual). A compile error is
+    logged and left to the real launch to raise.
+
+    Args:
+        workers: compile threads.
+
+    Yields:
+        The recorded ``(launcher, arguments)`` pairs (for tests and reports).
+
+    Raises:
+        RuntimeError: a :func:`precompile` block is already active.
+    """
+    if _RECORDING[0] is not None:
+        raise RuntimeError("precompile() blocks do not nest")
+    jobs: list[tuple[Any, tuple[Any, ...]]] = []
+    _RECORDING[0] = jobs
+    try:
+        yield jobs
+    finally:
+        _RECORDING[0] = None
+    if jobs and TRITON_AVAILABLE and not interpreter_enabled():
+        _compile_concurrently(jobs, workers)
+
+
+def _compile_concurrently(jobs: list[tuple[Any, tuple[Any, ...]]], workers: int) -> None:
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # pragma: no cover - Triton < 3.4
+        return
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, AsyncCompileMode(pool):
+            for launcher, args in jobs:
+                launcher.warmup(args)
+    except Exception as exc:  # noqa: BLE001 - the real launch compiles again and raises a real error
+        logger.warning("concurrent precompilation of fusion kernels failed (%s: %s); they compile on first use",
+                       type(exc).__name__, exc)
+
+
 def alignment_mask(pointers: Sequence[torch.Tensor]) -> int:
     """Bit ``i`` set where ``pointers[i]``'s address is a multiple of :data:`POINTER_ALIGNMENT` (Triton's rule).
 
@@ -205,9 +259,18 @@ class KernelLauncher:
         """Launch through Triton's normal path; returns what it returns (the compiled kernel on CUDA)."""
         return self._fn[self._grid](*pointers, *self._fixed, *scalars, **self._kwargs)
 
+    def warmup(self, args: tuple[Any, ...]) -> Any:
+        """Compile (or find in Triton's cache) the kernel for ``args`` (:meth:`arguments`) without launching."""
+        n = len(args) - len(self._tail)
+        return self._fn.warmup(*args[:n], grid=self._grid, **self._kwargs)
+
     def __call__(self, pointers: Sequence[torch.Tensor], scalars: Sequence[Any] = ()) -> None:
         """Launch on ``pointers`` with the runtime ``scalars`` (directly once this specialization is known)."""
-        if self.interpreted or _UNAVAILABLE[0] is not None or not _ENABLED[0]:
+        if self.interpreted or _UNAVAILABLE[0] is not None or not _ENABLED[0] or _RECORDING[0] is not None:
+            recording = _RECORDING[0]
+            if recording is not None:
+                recording.append((self, self.arguments(pointers, scalars)))
+                return
             self.normal(pointers, scalars)
             return
         runtime = _RUNTIME[0]
@@ -273,4 +336,5 @@ __all__ = [
     "direct_launch",
     "direct_launch_unavailable_reason",
     "launch_path",
+    "precompile",
 ]

@@ -21,6 +21,7 @@ layout, fewer tokens than ``min_tokens``) runs the original forward and is count
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
+from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import (
@@ -50,6 +52,8 @@ from worldfoundry_block_fusion.handle import (
     FusionCounters,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class WanBlockRuntime:
     """State shared by the fused blocks of one model: options, counters and the float32 carry."""
@@ -69,6 +73,8 @@ class WanBlockRuntime:
         self._counts: dict[str, BlockCounts] = {}
         #: (cos, sin, Q shape, dtype, device) last found eligible for the rotary kernel (held: identities stay unique)
         self.rotary_checked: tuple[Any, ...] | None = None
+        #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
+        self.precompiled = False
 
     # ------------------------------------------------------------------ the block
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -95,12 +101,45 @@ class WanBlockRuntime:
                 rid = current_request_id()
                 if rid != counts.rid:
                     self.counters.switch(counts, rid)
+                if not self.precompiled:
+                    self.precompile(block, hidden_states, temb, rotary_emb, table)
                 return self.block_forward(block, counts.counts, hidden_states, encoder_hidden_states, temb,
                                           rotary_emb, table)
 
             return forward
 
         return make
+
+    def precompile(self, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
+                   full_table: torch.Tensor) -> None:
+        """Compile the kernel variants :meth:`block_forward` will launch, concurrently, before it first runs.
+
+        The fused calls are issued on uninitialised tensors of the geometry the block's own calls will have
+        (:func:`~worldfoundry.core.fusion.launch.precompile` records them instead of launching): the LayerNorm
+        output (float32), the attention/FFN outputs and the rotary Q/K (contiguous, the stream's dtype). Nothing is
+        counted; a failure is logged and leaves compilation to first use.
+        """
+        self.precompiled = True
+        table = full_table[0]
+        carry = self.carry_enabled and x.dtype != torch.float32
+        like = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        try:
+            with precompile():
+                if self.modulate:
+                    modulate(torch.empty(x.shape, dtype=torch.float32, device=x.device), table, temb, 0, 1,
+                             out_dtype=x.dtype)
+                if self.gate:
+                    gated_residual(like, like, table, temb, 2, with_float=carry)
+                if self.cross:
+                    residual_add(like, like, with_float=carry)
+                heads = getattr(getattr(block, "attn1", None), "heads", None)
+                if self.rope and type(rotary_emb) is tuple and len(rotary_emb) == 2 and heads:
+                    q = torch.empty((*x.shape[:2], heads, x.shape[2] // heads), dtype=x.dtype, device=x.device)
+                    if rotary_reason(q, rotary_emb) is None:
+                        rope_qk(q, q, *rotary_emb)
+        except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
+            logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
+                           type(exc).__name__, exc)
 
     def block_forward(self, block: nn.Module, counts: list[int], x: torch.Tensor,
                       encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
