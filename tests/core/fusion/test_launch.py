@@ -107,3 +107,23 @@ def test_results_through_the_launcher_are_bitwise_the_references() -> None:
         assert torch.equal(got, rope.reference_sana_normalize(hidden, denom, torch.bfloat16))
     with pytest.raises(ValueError, match="float32 hidden"):
         rope.sana_normalize(hidden.half(), denom, torch.bfloat16)
+
+
+def test_warm_compiler_runs_once_and_never_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "_WARM", [None])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch.warm_compiler()
+    assert launch._WARM[0] is None  # nothing to compile under the interpreter
+    if not TRITON_AVAILABLE:
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    launch.warm_compiler()
+    thread = launch._WARM[0]
+    assert thread is not None
+    launch.warm_compiler()
+    assert launch._WARM[0] is thread  # once per process
+    launch._wait_warm()
+    assert not thread.is_alive()
+    from triton.runtime.cache import triton_key
+
+    assert triton_key.cache_info().currsize == 1  # the key is computed and kept for the first compilation

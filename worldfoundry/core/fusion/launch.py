@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -147,7 +148,45 @@ def precompile(workers: int = PRECOMPILE_WORKERS) -> Iterator[list[tuple[Any, tu
         _compile_concurrently(jobs, workers)
 
 
+#: The background thread of :func:`warm_compiler` (``None``: not started).
+_WARM: list[threading.Thread | None] = [None]
+
+
+def warm_compiler() -> None:
+    """Start, once per process, a background thread that prepares Triton's compiler for a first compilation.
+
+    Triton's first compilation in a process computes its compiler cache key -- a hash of Triton's own sources and
+    of ``libtriton`` (hundreds of megabytes read and hashed, the GIL released; about half a second), needed even
+    when the on-disk cache holds every kernel -- and imports its code generator. Started when a fusion plugin is
+    activated, this overlaps with whatever runs before the first fused call. Does nothing under the interpreter
+    or without Triton; a failure is logged at debug level (the first compilation then does the work itself).
+    """
+    if _WARM[0] is not None or not TRITON_AVAILABLE or interpreter_enabled():
+        return
+
+    def work() -> None:
+        try:
+            from triton.runtime.cache import triton_key
+
+            triton_key()
+            import triton.compiler.code_generator  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - an optimisation only
+            logger.debug("warming Triton's compiler failed: %s: %s", type(exc).__name__, exc)
+
+    thread = threading.Thread(target=work, name="worldfoundry-triton-warmup", daemon=True)
+    _WARM[0] = thread
+    thread.start()
+
+
+def _wait_warm() -> None:
+    """Let a running :func:`warm_compiler` thread finish (so its work is not done twice)."""
+    thread = _WARM[0]
+    if thread is not None and thread.is_alive():
+        thread.join()
+
+
 def _compile_concurrently(jobs: list[tuple[Any, tuple[Any, ...]]], workers: int) -> None:
+    _wait_warm()
     try:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -306,6 +345,7 @@ class KernelLauncher:
 
     def _first(self, key: tuple[int, int], pointers: Sequence[torch.Tensor], scalars: Sequence[Any]) -> None:
         """First launch of a specialization: the normal path, keeping the compiled kernel it returns."""
+        _wait_warm()
         compiled = self.normal(pointers, scalars)
         try:
             run = compiled.run  # initialises the handles (function) where the normal path has not
@@ -337,4 +377,5 @@ __all__ = [
     "direct_launch_unavailable_reason",
     "launch_path",
     "precompile",
+    "warm_compiler",
 ]
