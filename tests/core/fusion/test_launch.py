@@ -83,7 +83,20 @@ def test_precompile_records_launches_and_runs_nothing() -> None:
     assert torch.equal(out, adaln.reference_gated_residual(x, x, table, emb, 2)[0])  # outside the block it runs
     with pytest.raises(RuntimeError, match="do not nest"), precompile(), precompile():
         pass
-    assert launch._RECORDING[0] is None
+    assert launch._LOCAL.recording is None
+
+
+@needs_kernels
+def test_precompile_records_only_the_calling_threads_launches() -> None:
+    import threading
+
+    x = torch.randn(1, 8, 48, dtype=torch.bfloat16)
+    results = []
+    with precompile() as jobs:
+        worker = threading.Thread(target=lambda: results.append(adaln.residual_add(x, x)[0]))
+        worker.start()
+        worker.join()
+    assert jobs == [] and torch.equal(results[0], x + x)  # the other thread's launch ran
 
 
 @needs_kernels

@@ -110,8 +110,9 @@ def direct_launch(enabled: bool) -> Iterator[None]:
         _ENABLED[0] = previous
 
 
-#: The launches recorded by an active :func:`precompile` block (``None``: launches run).
-_RECORDING: list[list[tuple[Any, tuple[Any, ...]]] | None] = [None]
+#: Per thread, ``recording``: the launches an active :func:`precompile` block records (absent: launches run).
+#: Thread-local, so that another thread's launches keep running while one thread precompiles.
+_LOCAL = threading.local()
 #: Compile threads of :func:`precompile` (a Wan or SANA-Video block needs four to seven variants).
 PRECOMPILE_WORKERS: Final = 8
 
@@ -136,14 +137,14 @@ def precompile(workers: int = PRECOMPILE_WORKERS) -> Iterator[list[tuple[Any, tu
     Raises:
         RuntimeError: a :func:`precompile` block is already active.
     """
-    if _RECORDING[0] is not None:
+    if getattr(_LOCAL, "recording", None) is not None:
         raise RuntimeError("precompile() blocks do not nest")
     jobs: list[tuple[Any, tuple[Any, ...]]] = []
-    _RECORDING[0] = jobs
+    _LOCAL.recording = jobs
     try:
         yield jobs
     finally:
-        _RECORDING[0] = None
+        _LOCAL.recording = None
     if jobs and TRITON_AVAILABLE and not interpreter_enabled():
         _compile_concurrently(jobs, workers)
 
@@ -305,8 +306,8 @@ class KernelLauncher:
 
     def __call__(self, pointers: Sequence[torch.Tensor], scalars: Sequence[Any] = ()) -> None:
         """Launch on ``pointers`` with the runtime ``scalars`` (directly once this specialization is known)."""
-        if self.interpreted or _UNAVAILABLE[0] is not None or not _ENABLED[0] or _RECORDING[0] is not None:
-            recording = _RECORDING[0]
+        recording = getattr(_LOCAL, "recording", None)
+        if self.interpreted or _UNAVAILABLE[0] is not None or not _ENABLED[0] or recording is not None:
             if recording is not None:
                 recording.append((self, self.arguments(pointers, scalars)))
                 return
