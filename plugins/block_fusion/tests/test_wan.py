@@ -181,3 +181,25 @@ def test_precompile_covers_every_kernel_variant_the_first_forward_launches(monke
     for chain, n in ALL.items():  # precompilation counts nothing
         assert record["counters"][chain] == n, chain
     session.uninstall()
+
+
+def test_modulation_check_is_remembered_per_block_and_per_forward_and_equals_the_full_check() -> None:
+    from worldfoundry.plugin import ExecutionLedger
+    from worldfoundry_block_fusion.eligibility import modulation_reason
+    from worldfoundry_block_fusion.handle import FusionCounters
+    from worldfoundry_block_fusion.wan_block import WanBlockRuntime
+
+    runtime = WanBlockRuntime(FusionCounters(ExecutionLedger("wan_block_fusion")), ("modulate",), 0, [])
+    x = torch.randn(2, 8, 64)
+    tables = [torch.randn(1, 6, 64), torch.randn(1, 6, 32), torch.randn(1, 6, 64).to(torch.int32)]
+    tembs = [torch.randn(2, 6, 64), torch.randn(2, 6, 32), torch.randn(3, 6, 64), torch.randn(2, 8, 6, 64),
+             torch.randn(2, 1, 6, 64), torch.randn(2, 5, 6, 64)]
+    checked = [None, None, None]
+    for _ in range(2):  # the second round finds the remembered checks
+        for table in tables:
+            for temb in tembs:
+                for stream in (x, x[:, :5]):
+                    expected = modulation_reason(stream, table[0], temb)
+                    assert runtime.modulation_reason(stream, table, temb, checked) == expected
+    assert runtime.modulation_reason(x, tables[0], tembs[0], checked) is None
+    assert checked[0] is tables[0] and runtime.temb_checked[0] is tembs[0]

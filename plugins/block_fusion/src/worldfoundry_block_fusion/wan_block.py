@@ -38,9 +38,10 @@ from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
     FloatCarry,
-    modulation_reason,
     rotary_reason,
     stream_reason,
+    table_reason,
+    temb_reason,
 )
 from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
@@ -75,14 +76,16 @@ class WanBlockRuntime:
         self.rotary_checked: tuple[Any, ...] | None = None
         #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
         self.precompiled = False
+        #: (temb, stream shape) last found eligible for the AdaLN kernels (see :meth:`modulation_reason`)
+        self.temb_checked: tuple[Any, Any] = (None, None)
 
     # ------------------------------------------------------------------ the block
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         counts = self.counters.block(path)
         self._counts[path] = counts
 
-        # the (temb, table, stream shape) whose modulation layout was last checked (the same temb object serves
-        # every block of a forward; held, so its identity cannot be reused by another tensor)
+        # the (table, channels, device) this block's modulation table was last found eligible for (held, so its
+        # identity cannot be reused by another tensor); the temb half is checked once per forward (runtime)
         checked: list[Any] = [None, None, None]
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,10 +93,8 @@ class WanBlockRuntime:
                         rotary_emb: torch.Tensor) -> torch.Tensor:
                 table = block.scale_shift_table
                 reason = stream_reason(hidden_states, self.min_tokens)
-                if reason is None and not (temb is checked[0] and table is checked[1]
-                                           and hidden_states.shape == checked[2]):
-                    reason = modulation_reason(hidden_states, table[0], temb)
-                    checked[:] = (temb, table, hidden_states.shape) if reason is None else (None, None, None)
+                if reason is None:
+                    reason = self.modulation_reason(hidden_states, table, temb, checked)
                 if reason is not None:
                     self.carry.clear()
                     self.counters.fallback(path, reason)
@@ -109,6 +110,27 @@ class WanBlockRuntime:
             return forward
 
         return make
+
+    def modulation_reason(self, x: torch.Tensor, table: torch.Tensor, temb: torch.Tensor,
+                          checked: list[Any]) -> str | None:
+        """:func:`~worldfoundry_block_fusion.eligibility.modulation_reason`, remembering what passed.
+
+        The block's table is re-checked when it, the stream's channels or its device change (``checked``, per
+        block); ``temb`` -- the same object for every block of a forward -- when it or the stream's shape change
+        (:attr:`temb_checked`, shared by the blocks). Held references keep identities from being reused.
+        """
+        if not (table is checked[0] and x.shape[-1] == checked[1] and x.device == checked[2]):
+            reason = table_reason(x, table[0])
+            if reason is not None:
+                checked[:] = (None, None, None)
+                return reason
+            checked[:] = (table, x.shape[-1], x.device)
+        held = self.temb_checked
+        if not (temb is held[0] and x.shape == held[1]):
+            reason = temb_reason(x, temb)
+            self.temb_checked = (temb, x.shape) if reason is None else (None, None)
+            return reason
+        return None
 
     def precompile(self, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
                    full_table: torch.Tensor) -> None:
