@@ -12,6 +12,8 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
   cache is pointed at an empty directory so the figure is a cold start);
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
+* ``block_fusion:normal_launch``: the same fused model with every kernel launched through Triton's normal
+  ``kernel[grid](...)`` path instead of the compiled kernel's launcher (the host cost of launching);
 * Wan: ``cuda_graph`` alone and ``block_fusion+cuda_graph`` (the forward replayed from one CUDA graph; bitwise
   vs eager, block fusion receipts counted per replay; W17 goal of the stack >= 1.8x); on CUDA also
   ``bare_graph`` (one plain ``torch.cuda.CUDAGraph`` of the eager forward: the replay's ceiling) and, unless
@@ -59,6 +61,7 @@ from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.guard import attach_request_guard
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.fusion.launch import direct_launch, launch_path
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
 
 #: SANA-Video 480p (81 frames 480x832 -> latent 21x60x104, 32,760 tokens) and its CPU smoke stand-in.
@@ -148,6 +151,16 @@ def kernels_per_forward(fn: Callable[[], Any], device: torch.device) -> int | No
         fn()
         sync(device)
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def normal_launch(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with the fusion kernels launched through Triton's normal path (``kernel[grid](...)``)."""
+
+    def run() -> Any:
+        with direct_launch(False):
+            return call()
+
+    return run
 
 
 def fusion_variant(make_model: Callable[[], nn.Module], name: str, inputs: dict[str, Any], reference: torch.Tensor,
@@ -294,6 +307,9 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
         except Exception as exc:  # one failing part must not stop the others
             result["errors"][key] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+        if key == "block_fusion" and key in calls:  # the same fused model, every kernel through Triton's launch
+            calls["block_fusion:normal_launch"] = normal_launch(calls[key])
+            result["launch_path"] = launch_path()
     for key in ("eager", "block_fusion"):
         if key in calls:
             try:

@@ -64,3 +64,31 @@ def test_sana_with_optimized_mha_wrappers_is_bitwise(kit: Any) -> None:
     assert torch.equal(kit.run(model, inputs, "r1"), dense)
     assert kit.record_of(session, "r1", NAME)["counters"]["linear_attention"] == 2
     session.uninstall()
+
+
+def test_precompile_records_the_variants_the_first_forward_launches(kit: Any, monkeypatch: Any) -> None:
+    from worldfoundry.core.fusion import adaln, rope
+    from worldfoundry_block_fusion.sana_block import SanaBlockRuntime
+
+    model = kit.build_sana()
+    inputs = kit.sana_inputs()
+    dense = kit.run(model, inputs)
+    session = install_diffusion_accelerations(model, {NAME: {}}, registry=kit.make_registry())
+    seen: list[set] = []
+    original = SanaBlockRuntime.precompile
+
+    def spy(self: Any, *args: Any) -> None:
+        original(self, *args)
+        seen.append(set(adaln._PLANS) | set(rope._PLANS) | set(rope._NORMALIZE_PLANS))
+
+    monkeypatch.setattr(SanaBlockRuntime, "precompile", spy)
+    for plans in (adaln._PLANS, rope._PLANS, rope._NORMALIZE_PLANS):
+        plans.clear()
+    assert torch.equal(kit.run(model, inputs, "r1"), dense)
+    assert len(seen) == 1
+    used = set(adaln._PLANS) | set(rope._PLANS) | set(rope._NORMALIZE_PLANS)
+    # modulate, gate, cross (contiguous and the first block's transposed stream), relu + rotary, normalisation
+    assert len(seen[0]) == 6 and seen[0] == used
+    counters = kit.record_of(session, "r1", NAME)["counters"]
+    assert counters["modulate"] == 4 and counters["linear_attention"] == 2  # precompilation counts nothing
+    session.uninstall()

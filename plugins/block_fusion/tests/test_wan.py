@@ -152,3 +152,54 @@ def test_a_hook_added_after_install_still_runs_and_stays_bitwise() -> None:
     handle.remove()
     assert seen and torch.equal(out, dense)
     assert record_of(session, "r1")["counters"]["float_carry"] == 4
+
+
+def test_precompile_covers_every_kernel_variant_the_first_forward_launches(monkeypatch) -> None:  # noqa: ANN001
+    from worldfoundry.core.fusion import adaln, rope
+    from worldfoundry_block_fusion.wan_block import WanBlockRuntime
+
+    model = build_wan()
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model)
+    seen: list[set] = []
+    original = WanBlockRuntime.precompile
+
+    def spy(self, *args):  # noqa: ANN001, ANN202
+        original(self, *args)
+        seen.append(set(adaln._PLANS) | set(rope._PLANS))
+
+    monkeypatch.setattr(WanBlockRuntime, "precompile", spy)
+    adaln._PLANS.clear()
+    rope._PLANS.clear()
+    out = run(model, inputs, "r1")
+    assert torch.equal(out, dense)
+    assert len(seen) == 1  # once per model, at its first fused block
+    # modulate, gated residual (+ float32 carry), cross residual, rotary: no plan appears after precompilation
+    assert len(seen[0]) == 4 and set(adaln._PLANS) | set(rope._PLANS) == seen[0]
+    record = record_of(session, "r1")
+    for chain, n in ALL.items():  # precompilation counts nothing
+        assert record["counters"][chain] == n, chain
+    session.uninstall()
+
+
+def test_modulation_check_is_remembered_per_block_and_per_forward_and_equals_the_full_check() -> None:
+    from worldfoundry.plugin import ExecutionLedger
+    from worldfoundry_block_fusion.eligibility import modulation_reason
+    from worldfoundry_block_fusion.handle import FusionCounters
+    from worldfoundry_block_fusion.wan_block import WanBlockRuntime
+
+    runtime = WanBlockRuntime(FusionCounters(ExecutionLedger("wan_block_fusion")), ("modulate",), 0, [])
+    x = torch.randn(2, 8, 64)
+    tables = [torch.randn(1, 6, 64), torch.randn(1, 6, 32), torch.randn(1, 6, 64).to(torch.int32)]
+    tembs = [torch.randn(2, 6, 64), torch.randn(2, 6, 32), torch.randn(3, 6, 64), torch.randn(2, 8, 6, 64),
+             torch.randn(2, 1, 6, 64), torch.randn(2, 5, 6, 64)]
+    checked = [None, None, None]
+    for _ in range(2):  # the second round finds the remembered checks
+        for table in tables:
+            for temb in tembs:
+                for stream in (x, x[:, :5]):
+                    expected = modulation_reason(stream, table[0], temb)
+                    assert runtime.modulation_reason(stream, table, temb, checked) == expected
+    assert runtime.modulation_reason(x, tables[0], tembs[0], checked) is None
+    assert checked[0] is tables[0] and runtime.temb_checked[0] is tembs[0]

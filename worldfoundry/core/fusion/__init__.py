@@ -2,6 +2,8 @@
 
 * :mod:`~worldfoundry.core.fusion.indexing` — 32- or 64-bit offsets, chosen from shapes *and* strides.
 * :mod:`~worldfoundry.core.fusion.triton_support` — Triton availability, interpreter mode, launch options.
+* :mod:`~worldfoundry.core.fusion.launch` — launch plans that call the compiled kernel's launcher directly once
+  Triton compiled it (host cost per launch), and concurrent precompilation of a block's kernel variants.
 * :mod:`~worldfoundry.core.fusion.adaln` — AdaLN chains over a ``[B, S, C]`` residual stream: modulation
   (``norm * (1 + scale) + shift`` with the modulation-table add folded in), gated residual and plain residual.
 * :mod:`~worldfoundry.core.fusion.rope` — Wan rotary embedding of Q and K in one launch, and SANA-Video's

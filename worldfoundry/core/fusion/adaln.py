@@ -37,6 +37,7 @@ from typing import Final
 import torch
 
 from worldfoundry.core.fusion.indexing import INT32_MAX, needs_int64
+from worldfoundry.core.fusion.launch import KernelLauncher
 from worldfoundry.core.fusion.triton_support import (
     TRITON_AVAILABLE,
     launch_options,
@@ -140,15 +141,16 @@ def _emb4(emb: torch.Tensor) -> torch.Tensor:
 
 
 #: Launch plans by operand geometry (shapes, strides, dtypes, flags): grid, integer arguments and constexprs are
-#: computed once per geometry, so a call only allocates its outputs and launches.
-_PLANS: dict[tuple, tuple] = {}
+#: computed once per geometry, so a call only allocates its outputs and launches
+#: (:class:`~worldfoundry.core.fusion.launch.KernelLauncher`, which also keeps the compiled kernels).
+_PLANS: dict[tuple, KernelLauncher] = {}
 _MAX_PLANS: Final = 512
 
 
 def _plan(key: tuple, mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor | None,
           table: torch.Tensor | None, emb: torch.Tensor | None, precision: str, with_float: bool,
-          index_limit: int) -> tuple:
-    """``(grid, integer arguments, keyword arguments)`` of one geometry (see :data:`_PLANS`)."""
+          index_limit: int) -> KernelLauncher:
+    """The launcher of one geometry: grid, integer arguments and constexprs fixed (see :data:`_PLANS`)."""
     bsz, s, c = a.shape
     if table is not None:
         e4 = _emb4(emb)
@@ -171,7 +173,7 @@ def _plan(key: tuple, mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: tor
                   BLOCK_C=block_c, **launch_options())
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    plan = (_adaln_kernel[grid], ints, kwargs)
+    plan = KernelLauncher(_adaln_kernel, grid, n_pointers=6, fixed=ints, constexprs=kwargs)
     _PLANS[key] = plan
     return plan
 
@@ -189,13 +191,14 @@ def _launch(mode: int, out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor 
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(key, mode, out_dtype, a, b, table, emb, precision, with_float, index_limit)
-    launcher, ints, kwargs = plan
     out = torch.empty(a.shape, dtype=out_dtype, device=a.device)
-    out32 = torch.empty(a.shape, dtype=torch.float32, device=a.device) if with_float else out
-    if table is None:
-        table = emb = a
-    launcher(out, out32, a, a if b is None else b, table, emb, *ints, k0, k1, **kwargs)
-    return out, (out32 if with_float else None)
+    if with_float:
+        out32 = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+        plan((out, out32, a, a if b is None else b, a if table is None else table, a if emb is None else emb),
+             (k0, k1))
+        return out, out32
+    plan((out, out, a, a if b is None else b, a if table is None else table, a if emb is None else emb), (k0, k1))
+    return out, None
 
 
 def modulate(norm: torch.Tensor, table: torch.Tensor, emb: torch.Tensor, k_shift: int, k_scale: int, *,

@@ -28,6 +28,7 @@ from typing import Final
 import torch
 
 from worldfoundry.core.fusion.indexing import INT32_MAX, needs_int64
+from worldfoundry.core.fusion.launch import KernelLauncher
 from worldfoundry.core.fusion.triton_support import (
     TRITON_AVAILABLE,
     launch_options,
@@ -180,11 +181,11 @@ def compute_mode(x: torch.Tensor, freqs: torch.Tensor) -> int:
 
 
 #: Launch plans by operand geometry (as in :mod:`~worldfoundry.core.fusion.adaln`).
-_PLANS: dict[tuple, tuple] = {}
+_PLANS: dict[tuple, KernelLauncher] = {}
 _MAX_PLANS: Final = 512
 
 
-def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) -> tuple:
+def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) -> KernelLauncher:
     bsz, s, h, d = q.shape
     rows = bsz * s * h
     pairs = d // 2
@@ -203,7 +204,7 @@ def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) ->
                   OUT_BF16=q.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
                   BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
     grid = (-(-rows // block_r),)  # plain ints: triton.cdiv is a slow constexpr function
-    return _rope_kernel[grid], ints, kwargs
+    return KernelLauncher(_rope_kernel, grid, n_pointers=12, fixed=ints, constexprs=kwargs)
 
 
 def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=None, v=None, vf=None,
@@ -218,10 +219,9 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    launcher, ints, kwargs = plan
     relu = relu_q is not None
-    launcher(q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
-             kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo, *ints, **kwargs)
+    plan((q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
+          kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo))
 
 
 def rope_qk(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
@@ -300,6 +300,10 @@ def reference_sana_relu_rope(query: torch.Tensor, key: torch.Tensor, value: torc
     return rq, rk, qo.float(), ko.float(), (value.float() if value is not None else None)
 
 
+#: Launch plans of :func:`sana_normalize` (contiguous operands: shapes and dtypes are the geometry).
+_NORMALIZE_PLANS: dict[tuple, KernelLauncher] = {}
+
+
 def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.dtype, *, eps: float = 1e-15,
                    index_limit: int = INT32_MAX) -> torch.Tensor:
     """``(hidden * (1 / (denom + eps))).to(out_dtype)`` in one launch (eager: four kernels and the cast).
@@ -314,19 +318,27 @@ def sana_normalize(hidden: torch.Tensor, denom: torch.Tensor, out_dtype: torch.d
     Returns:
         ``[B, H, D, N]`` contiguous tensor of ``out_dtype`` (eager's ``.to`` keeps the layout of its input).
     """
-    bsz, h, d, n = hidden.shape
     out = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device)
-    block_n = 256 if n >= 256 else max(16, 1 << (n - 1).bit_length())
-    block_r = max(1, min(d, 4096 // block_n))
-    block_r = 1 << (block_r.bit_length() - 1)
-    wide = needs_int64(hidden, denom, out, extra=hidden.numel(), limit=index_limit)
-    grid = (-(-d // block_r), -(-n // block_n), bsz * h)  # plain ints (triton.cdiv is slow)
-    if denom.dtype not in (torch.bfloat16, torch.float32) or hidden.dtype != torch.float32:
-        raise ValueError(f"sana_normalize needs a float32 hidden and a bfloat16/float32 denominator, got "
-                         f"{hidden.dtype} / {denom.dtype}")
-    _normalize_kernel[grid](hidden, denom, out, n, d, eps, INDEX_64=wide, OUT_BF16=out_dtype == torch.bfloat16,
-                            DENOM_BF16=denom.dtype == torch.bfloat16, SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r, BLOCK_N=block_n,
-                            **launch_options())
+    key = (hidden.shape, hidden.stride(), hidden.dtype, denom.shape, denom.stride(), denom.dtype, out_dtype, eps,
+           index_limit)
+    plan = _NORMALIZE_PLANS.get(key)
+    if plan is None:
+        if denom.dtype not in (torch.bfloat16, torch.float32) or hidden.dtype != torch.float32:
+            raise ValueError(f"sana_normalize needs a float32 hidden and a bfloat16/float32 denominator, got "
+                             f"{hidden.dtype} / {denom.dtype}")
+        bsz, h, d, n = hidden.shape
+        block_n = 256 if n >= 256 else max(16, 1 << (n - 1).bit_length())
+        block_r = max(1, min(d, 4096 // block_n))
+        block_r = 1 << (block_r.bit_length() - 1)
+        wide = needs_int64(hidden, denom, out, extra=hidden.numel(), limit=index_limit)
+        grid = (-(-d // block_r), -(-n // block_n), bsz * h)  # plain ints (triton.cdiv is slow)
+        kwargs = dict(INDEX_64=wide, OUT_BF16=out_dtype == torch.bfloat16, DENOM_BF16=denom.dtype == torch.bfloat16,
+                      SOFTWARE_ROUNDING=software_rounding(), BLOCK_R=block_r, BLOCK_N=block_n, **launch_options())
+        plan = KernelLauncher(_normalize_kernel, grid, n_pointers=3, fixed=(n, d, eps), constexprs=kwargs)
+        if len(_NORMALIZE_PLANS) >= _MAX_PLANS:
+            _NORMALIZE_PLANS.clear()
+        _NORMALIZE_PLANS[key] = plan
+    plan((hidden, denom, out))
     return out
 
 

@@ -45,9 +45,19 @@ def stream_reason(x: torch.Tensor, min_tokens: int, *, contiguous: bool = True) 
 
 def modulation_reason(x: torch.Tensor, table: torch.Tensor, emb: torch.Tensor) -> str | None:
     """Why ``table`` ([6, C] view) and ``emb`` ([B, 6, C] or [B, T, 6, C]) cannot feed the AdaLN kernels."""
-    c = x.shape[-1]
-    if not table.is_floating_point() or table.shape != (6, c) or table.device != x.device:
+    return table_reason(x, table) or temb_reason(x, emb)
+
+
+def table_reason(x: torch.Tensor, table: torch.Tensor) -> str | None:
+    """The ``table`` half of :func:`modulation_reason` (a block's own parameter: checked once per block)."""
+    if not table.is_floating_point() or table.shape != (6, x.shape[-1]) or table.device != x.device:
         return REASON_TABLE
+    return None
+
+
+def temb_reason(x: torch.Tensor, emb: torch.Tensor) -> str | None:
+    """The ``emb`` half of :func:`modulation_reason` (one tensor serves every block of a forward)."""
+    c = x.shape[-1]
     if not emb.is_floating_point() or emb.device != x.device or emb.shape[-2:] != (6, c):
         return REASON_TEMB
     if emb.dim() == 3:
@@ -125,4 +135,6 @@ __all__ = [
     "no_global_hooks",
     "rotary_reason",
     "stream_reason",
+    "table_reason",
+    "temb_reason",
 ]

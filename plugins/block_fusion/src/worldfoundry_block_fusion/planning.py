@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from worldfoundry.core.acceleration.patching import patch_names
+from worldfoundry.core.fusion.launch import warm_compiler
 from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.errors import AccelerationOptionsError, AccelerationRefusedError
 from worldfoundry.plugin import (
@@ -96,6 +98,8 @@ def activate_plan(plan: BlockPlan, opts: PluginOptions, runtime_factory: Callabl
     """Wrap every planned block's forward (and replace its ``attn1`` processor); undone on failure part-way."""
     counters = FusionCounters(ExecutionLedger(plan.name))
     runtime = runtime_factory(counters)
+    if torch.cuda.is_available():  # the kernels will compile: prepare Triton's compiler in the background
+        warm_compiler()
     handle = BlockFusionHandle(plan.name, counters, chains=tuple(opts.chains), blocks=[p for p, _ in plan.blocks],
                                notes={"min_tokens": opts.min_tokens, "kernels": kernel_note()})
     with PatchRecorder(plan.name) as recorder:

@@ -21,6 +21,7 @@ transposed view; mixed dtypes) runs eager's torch expression and is counted as a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
+from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.rope import sana_normalize, sana_relu_rope
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import REASON_GRAD, modulation_reason, rotary_reason, stream_reason
@@ -41,6 +43,8 @@ from worldfoundry_block_fusion.handle import (
     BlockCounts,
     FusionCounters,
 )
+
+logger = logging.getLogger(__name__)
 
 REASON_MIXED: Final = "operands of different dtypes"
 REASON_STRIDED: Final = "non-contiguous residual stream"
@@ -57,6 +61,8 @@ class SanaBlockRuntime:
         self.cross = "cross_residual" in chains
         self.linear_attention = "linear_attention" in chains
         self._counts: dict[str, BlockCounts] = {}
+        #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
+        self.precompiled = False
 
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         counts = self.counters.block(path)
@@ -85,12 +91,47 @@ class SanaBlockRuntime:
                 rid = current_request_id()
                 if rid != counts.rid:
                     self.counters.switch(counts, rid)
+                if not self.precompiled:
+                    self.precompile(block, hidden_states, emb, rotary_emb)
                 return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states,
                                           encoder_attention_mask, emb, frames, height, width, rotary_emb)
 
             return forward
 
         return make
+
+    def precompile(self, block: nn.Module, x: torch.Tensor, emb: torch.Tensor, rotary_emb: Any) -> None:
+        """Compile the kernel variants of :meth:`block_forward` and the processor concurrently, before they run.
+
+        The fused calls are issued on uninitialised contiguous tensors of the geometry the block's own calls will
+        have (:func:`~worldfoundry.core.fusion.launch.precompile` records them instead of launching). Nothing is
+        counted; a failure is logged and leaves compilation to first use.
+        """
+        self.precompiled = True
+        table = block.scale_shift_table
+        bsz, s, c = x.shape
+        like = torch.empty((bsz, s, c), dtype=x.dtype, device=x.device)
+        try:
+            with precompile():
+                if self.modulate:
+                    modulate(like, table, emb, 0, 1, out_dtype=x.dtype, precision="per_op")
+                if self.gate:
+                    gated_residual(like, like, table, emb, 2, precision="per_op")
+                if self.cross and getattr(block, "attn2", None) is not None:
+                    residual_add(like, like)
+                    if not x.is_contiguous():  # the first block's stream (an eager gate keeps its layout)
+                        residual_add(like, x)
+                heads = getattr(getattr(block, "attn1", None), "heads", None)
+                if self.linear_attention and heads and c % heads == 0:
+                    q = torch.empty((bsz, s, heads, c // heads), dtype=x.dtype, device=x.device)
+                    if rotary_reason(q, rotary_emb) is None:
+                        sana_relu_rope(q, q, q, *rotary_emb)
+                        hidden = torch.empty((bsz, heads, c // heads, s), dtype=torch.float32, device=x.device)
+                        denom = torch.empty((bsz, heads, 1, s), dtype=x.dtype, device=x.device)
+                        sana_normalize(hidden, denom, x.dtype)
+        except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
+            logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
+                           type(exc).__name__, exc)
 
     def block_forward(self, block: nn.Module, path: str, counts: list[int], x: torch.Tensor,
                       encoder_hidden_states: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,

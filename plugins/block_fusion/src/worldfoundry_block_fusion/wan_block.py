@@ -21,6 +21,7 @@ layout, fewer tokens than ``min_tokens``) runs the original forward and is count
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,15 +31,17 @@ from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
+from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
     FloatCarry,
-    modulation_reason,
     rotary_reason,
     stream_reason,
+    table_reason,
+    temb_reason,
 )
 from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
@@ -49,6 +52,8 @@ from worldfoundry_block_fusion.handle import (
     BlockCounts,
     FusionCounters,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class WanBlockRuntime:
@@ -69,14 +74,18 @@ class WanBlockRuntime:
         self._counts: dict[str, BlockCounts] = {}
         #: (cos, sin, Q shape, dtype, device) last found eligible for the rotary kernel (held: identities stay unique)
         self.rotary_checked: tuple[Any, ...] | None = None
+        #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
+        self.precompiled = False
+        #: (temb, stream shape) last found eligible for the AdaLN kernels (see :meth:`modulation_reason`)
+        self.temb_checked: tuple[Any, Any] = (None, None)
 
     # ------------------------------------------------------------------ the block
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         counts = self.counters.block(path)
         self._counts[path] = counts
 
-        # the (temb, table, stream shape) whose modulation layout was last checked (the same temb object serves
-        # every block of a forward; held, so its identity cannot be reused by another tensor)
+        # the (table, channels, device) this block's modulation table was last found eligible for (held, so its
+        # identity cannot be reused by another tensor); the temb half is checked once per forward (runtime)
         checked: list[Any] = [None, None, None]
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,10 +93,8 @@ class WanBlockRuntime:
                         rotary_emb: torch.Tensor) -> torch.Tensor:
                 table = block.scale_shift_table
                 reason = stream_reason(hidden_states, self.min_tokens)
-                if reason is None and not (temb is checked[0] and table is checked[1]
-                                           and hidden_states.shape == checked[2]):
-                    reason = modulation_reason(hidden_states, table[0], temb)
-                    checked[:] = (temb, table, hidden_states.shape) if reason is None else (None, None, None)
+                if reason is None:
+                    reason = self.modulation_reason(hidden_states, table, temb, checked)
                 if reason is not None:
                     self.carry.clear()
                     self.counters.fallback(path, reason)
@@ -95,12 +102,66 @@ class WanBlockRuntime:
                 rid = current_request_id()
                 if rid != counts.rid:
                     self.counters.switch(counts, rid)
+                if not self.precompiled:
+                    self.precompile(block, hidden_states, temb, rotary_emb, table)
                 return self.block_forward(block, counts.counts, hidden_states, encoder_hidden_states, temb,
                                           rotary_emb, table)
 
             return forward
 
         return make
+
+    def modulation_reason(self, x: torch.Tensor, table: torch.Tensor, temb: torch.Tensor,
+                          checked: list[Any]) -> str | None:
+        """:func:`~worldfoundry_block_fusion.eligibility.modulation_reason`, remembering what passed.
+
+        The block's table is re-checked when it, the stream's channels or its device change (``checked``, per
+        block); ``temb`` -- the same object for every block of a forward -- when it or the stream's shape change
+        (:attr:`temb_checked`, shared by the blocks). Held references keep identities from being reused.
+        """
+        if not (table is checked[0] and x.shape[-1] == checked[1] and x.device == checked[2]):
+            reason = table_reason(x, table[0])
+            if reason is not None:
+                checked[:] = (None, None, None)
+                return reason
+            checked[:] = (table, x.shape[-1], x.device)
+        held = self.temb_checked
+        if not (temb is held[0] and x.shape == held[1]):
+            reason = temb_reason(x, temb)
+            self.temb_checked = (temb, x.shape) if reason is None else (None, None)
+            return reason
+        return None
+
+    def precompile(self, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
+                   full_table: torch.Tensor) -> None:
+        """Compile the kernel variants :meth:`block_forward` will launch, concurrently, before it first runs.
+
+        The fused calls are issued on uninitialised tensors of the geometry the block's own calls will have
+        (:func:`~worldfoundry.core.fusion.launch.precompile` records them instead of launching): the LayerNorm
+        output (float32), the attention/FFN outputs and the rotary Q/K (contiguous, the stream's dtype). Nothing is
+        counted; a failure is logged and leaves compilation to first use.
+        """
+        self.precompiled = True
+        table = full_table[0]
+        carry = self.carry_enabled and x.dtype != torch.float32
+        like = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        try:
+            with precompile():
+                if self.modulate:
+                    modulate(torch.empty(x.shape, dtype=torch.float32, device=x.device), table, temb, 0, 1,
+                             out_dtype=x.dtype)
+                if self.gate:
+                    gated_residual(like, like, table, temb, 2, with_float=carry)
+                if self.cross:
+                    residual_add(like, like, with_float=carry)
+                heads = getattr(getattr(block, "attn1", None), "heads", None)
+                if self.rope and type(rotary_emb) is tuple and len(rotary_emb) == 2 and heads:
+                    q = torch.empty((*x.shape[:2], heads, x.shape[2] // heads), dtype=x.dtype, device=x.device)
+                    if rotary_reason(q, rotary_emb) is None:
+                        rope_qk(q, q, *rotary_emb)
+        except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
+            logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
+                           type(exc).__name__, exc)
 
     def block_forward(self, block: nn.Module, counts: list[int], x: torch.Tensor,
                       encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
