@@ -218,12 +218,18 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
         logger.warning("peer %s failed: %s", name, exc)
         row.update(verdict="peer_failed", error=f"{type(exc).__name__}: {exc}")
     finally:
-        if undo is not None:
-            try:
-                undo()
-            except Exception as exc:
-                row["undo_error"] = f"{type(exc).__name__}: {exc}"
+        _undo_into(row, undo)
     return row
+
+
+def _undo_into(row: dict[str, Any], undo: Callable[[], None] | None) -> None:
+    """Run a peer's pending undo; an undo that raises is recorded in its row (never raised)."""
+    if undo is None:
+        return
+    try:
+        undo()
+    except Exception as exc:
+        row["undo_error"] = f"{type(exc).__name__}: {exc}"
 
 
 def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int],
