@@ -3,10 +3,11 @@
 diffusers 0.42 processors compute attention through ``dispatch_attention_fn``; with its ``native`` backend the
 dispatcher permutes the ``(B, S, H, D)`` projections to SDPA's ``(B, H, S, D)``, reshapes 2-D masks and calls
 :func:`torch.nn.functional.scaled_dot_product_attention`. :class:`SdpaInterception` is a
-:class:`torch.overrides.TorchFunctionMode` entered only around one attention module's forward: it catches exactly
-that SDPA call (in the provider contract's layout, with the dispatcher's mask handling already done) and hands it
-to the route's provider, or lets it run unchanged. Nothing global is patched; the mode is thread-local and active
-only inside the module.
+:class:`torch.overrides.TorchFunctionMode` entered only while one attention module runs (around its dispatcher
+call, or around its whole forward): it catches exactly that SDPA call (in the provider contract's layout, with the
+dispatcher's mask handling already done) and hands it to the route's provider, or lets it run unchanged. The mode
+is thread-local; it can be entered several times for one module call (one interception object counts the module's
+SDPA calls in order across its dispatcher calls).
 
 :class:`AttentionRoute` decides per call: below ``min_tokens`` (the shorter of the query and key sequences), inside
 the dense first/last steps of the request, or with inputs the provider does not support

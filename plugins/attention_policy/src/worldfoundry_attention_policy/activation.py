@@ -3,9 +3,11 @@
 Each planned attention module's ``forward`` is wrapped (recorded, so uninstall restores it exactly). Per call the
 wrapper checks that the processor still dispatches to diffusers' ``native`` backend, settles what it can before
 attention runs (probe failure, query below ``min_tokens``, dense step) without any interception, and otherwise
-runs the original forward inside :class:`~worldfoundry.core.attention.provider_dispatch.SdpaInterception`, which
-hands each SDPA call to its route's provider or lets it run. Every routed call is counted: ``executed(module,
-provider)`` or ``fallback(module, "<type>: <reason>")``.
+runs the original forward with an :class:`~worldfoundry.core.attention.provider_dispatch.SdpaInterception`, which
+hands each SDPA call to its route's provider or lets it run: entered around diffusers' dispatcher call only where
+the processor's module allows it (:mod:`~worldfoundry_attention_policy.narrowing`), else around the whole forward.
+Every routed call is counted: ``executed(module, provider)`` or ``fallback(module, "<type>: <reason>")``; the
+report's ``interception`` says how many calls took each of the two paths.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.attention.provider_dispatch import AttentionRoute, SdpaInterception
+from worldfoundry_attention_policy import narrowing
 from worldfoundry_attention_policy.options import PLUGIN_NAME
 from worldfoundry_attention_policy.plan import SitePlan
 
@@ -35,10 +38,11 @@ class AttentionPolicyHandle(RecordedHandle):
     """Undoes the wrapped forwards; reports calls per provider and fallbacks per module."""
 
     def __init__(self, patches: PatchRecorder, ledger: ExecutionLedger, plans: list[SitePlan],
-                 routes: dict[str, AttentionRoute]) -> None:
+                 routes: dict[str, AttentionRoute], paths: dict[str, int] | None = None) -> None:
         super().__init__(PLUGIN_NAME, patches, ledger)
         self._plans = plans
         self._routes = routes
+        self._paths = paths if paths is not None else {"dispatcher_only": 0, "module_wide": 0}
 
     def end_request(self, request_id: str) -> None:
         self.ledger.finish(request_id)
@@ -50,6 +54,7 @@ class AttentionPolicyHandle(RecordedHandle):
                                    "dense_first_steps": r.dense_first_steps, "dense_last_steps": r.dense_last_steps,
                                    "unavailable": r.unavailable}
                             for kind, r in sorted(self._routes.items())}
+        report["interception"] = dict(self._paths)
         report["modules_routed"] = len(self._plans)
         return report
 
@@ -57,12 +62,21 @@ class AttentionPolicyHandle(RecordedHandle):
 def activate(plans: list[SitePlan], routes: dict[str, AttentionRoute]) -> AttentionPolicyHandle:
     """Wrap the forward of every planned attention module; a failure part-way undoes everything."""
     ledger = ExecutionLedger(PLUGIN_NAME)
+    paths = {"dispatcher_only": 0, "module_wide": 0}
     with PatchRecorder(PLUGIN_NAME) as recorder:
+        acquired: set[str] = set()
         for plan in plans:
-            recorder.wrap_forward(plan.site.module, _routing_forward(plan, ledger), name=PLUGIN_NAME)
+            namespace = narrowing.dispatch_namespace(plan.site.module.processor)
+            if namespace is not None and namespace.__name__ not in acquired:
+                recorder.callback(narrowing.acquire(namespace),
+                                  f"{PLUGIN_NAME}: pass-through {namespace.__name__}.{narrowing.DISPATCH_NAME}")
+                acquired.add(namespace.__name__)
+        for plan in plans:
+            recorder.wrap_forward(plan.site.module, _routing_forward(plan, ledger, frozenset(acquired), paths),
+                                  name=PLUGIN_NAME)
         patches = recorder.pop_all()
     logger.debug("%s active on %d attention module(s)", PLUGIN_NAME, len(plans))
-    return AttentionPolicyHandle(patches, ledger, plans, routes)
+    return AttentionPolicyHandle(patches, ledger, plans, routes, paths)
 
 
 def _query_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -70,7 +84,8 @@ def _query_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return int(hidden.shape[1]) if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
 
-def _routing_forward(plan: SitePlan, ledger: ExecutionLedger) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _routing_forward(plan: SitePlan, ledger: ExecutionLedger, acquired: frozenset[str],
+                     paths: dict[str, int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     path = plan.path
     module = plan.site.module
     routes = plan.routes
@@ -97,8 +112,29 @@ def _routing_forward(plan: SitePlan, ledger: ExecutionLedger) -> Callable[[Calla
                 for route, reason in zip(active, early, strict=True):
                     on_call(route, reason)
                 return original(*args, **kwargs)
-            with SdpaInterception(routes, context, on_call):
-                return original(*args, **kwargs)
+            interception = SdpaInterception(routes, context, on_call)
+            namespace = narrowing.dispatch_namespace(module.processor)
+            if namespace is None or namespace.__name__ not in acquired:
+                paths["module_wide"] += 1
+                with interception:
+                    return original(*args, **kwargs)
+            return _dispatcher_only(interception, original, args, kwargs)
+
+        def _dispatcher_only(interception: SdpaInterception, original: Callable[..., Any], args: Any,
+                             kwargs: Any) -> Any:
+            pending = narrowing.Pending(interception)
+            token = narrowing.PENDING.set(pending)
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                narrowing.PENDING.reset(token)
+            if pending.entered:
+                paths["dispatcher_only"] += 1
+            else:  # SDPA ran unrouted: say so, and route this processor class module-wide from now on
+                narrowing.mark_unreachable(module.processor)
+                for route in active:
+                    on_call(route, narrowing.REASON_NOT_REACHED)
+            return out
 
         return forward
 

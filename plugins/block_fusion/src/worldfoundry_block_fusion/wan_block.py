@@ -254,6 +254,10 @@ class WanFusedSelfAttnProcessor:
     ``to_out``. Cross-attention calls (``encoder_hidden_states`` given) go to the original processor.
     """
 
+    #: where :meth:`__call__` looks up ``dispatch_attention_fn`` at call time (so a policy that wraps that global,
+    #: such as ``attention_policy``'s dispatcher-only interception, sees these calls too)
+    dispatch_namespace = transformer_wan
+
     def __init__(self, original: Any, runtime: WanBlockRuntime, path: str) -> None:
         self.original = original
         self.runtime = runtime
