@@ -13,8 +13,9 @@ below), then timed in interleaved pairs against dense with :func:`~worldfoundry.
   ``Fn`` capped below the block count and ``max_warmup_steps`` a quarter of the workload's steps (cache-dit's 8
   would leave nothing to cache in a 10-step run); the context is refreshed with the step count before every
   generation. Undo: ``cache_dit.disable_cache``.
-* ``float8``: torchao ``Float8DynamicActivationFloat8WeightConfig``, when ``torchao`` is installed (CUDA only).
-  Undo: the original Linear weight parameters are put back.
+* ``float8``: torchao ``Float8DynamicActivationFloat8WeightConfig(set_inductor_config=False)``, when ``torchao`` is
+  installed (CUDA only; torchao's default would switch float32 matmuls to TF32 process-wide). Undo: the original
+  Linear weight parameters and ``extra_repr`` are put back, and the float32 matmul precision.
 """
 
 from __future__ import annotations
@@ -119,35 +120,55 @@ def _apply(name: str, modules: list[torch.nn.Module],
             undos.append(lambda m=m: m._reset_stateful_cache())
         info["threshold"] = FBCACHE_THRESHOLD
     elif name == "dbcache":
-        import cache_dit
-
-        for m in modules:
-            blocks = max((len(c) for c in m.children() if isinstance(c, torch.nn.ModuleList)), default=2)
-            config = cache_dit.DBCacheConfig(
-                Fn_compute_blocks=min(8, blocks - 1), Bn_compute_blocks=0, residual_diff_threshold=DBCACHE_THRESHOLD,
-                max_warmup_steps=max(1, min(8, (steps or 8) // 4)), num_inference_steps=steps)
-            cache_dit.enable_cache(m, cache_config=config)
-            undos.append(lambda m=m: cache_dit.disable_cache(m))
-            info.update(threshold=DBCACHE_THRESHOLD, Fn_compute_blocks=config.Fn_compute_blocks,
-                        max_warmup_steps=config.max_warmup_steps)
+        _apply_dbcache(modules, steps, undos, info)
     elif name == "float8":
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
-
-        for m in modules:
-            saved = [(lin, lin.weight) for lin in m.modules() if isinstance(lin, torch.nn.Linear)]
-            quantize_(m, Float8DynamicActivationFloat8WeightConfig())
-
-            def undo(saved: list[Any] = saved) -> None:
-                for lin, weight in saved:
-                    lin.weight = weight
-
-            undos.append(undo)
+        _apply_float8(modules, undos)
 
     def undo_all() -> None:
         for fn in reversed(undos):
             fn()
 
     return undo_all, info
+
+
+def _apply_dbcache(modules: list[torch.nn.Module], steps: int | None, undos: list[Callable[[], None]],
+                   info: dict[str, Any]) -> None:
+    """cache-dit DBCache on each module (see the module docstring for its settings)."""
+    import cache_dit
+
+    for m in modules:
+        blocks = max((len(c) for c in m.children() if isinstance(c, torch.nn.ModuleList)), default=2)
+        config = cache_dit.DBCacheConfig(
+            Fn_compute_blocks=min(8, blocks - 1), Bn_compute_blocks=0, residual_diff_threshold=DBCACHE_THRESHOLD,
+            max_warmup_steps=max(1, min(8, (steps or 8) // 4)), num_inference_steps=steps)
+        cache_dit.enable_cache(m, cache_config=config)
+        undos.append(lambda m=m: cache_dit.disable_cache(m))
+        info.update(threshold=DBCACHE_THRESHOLD, Fn_compute_blocks=config.Fn_compute_blocks,
+                    max_warmup_steps=config.max_warmup_steps)
+
+
+def _apply_float8(modules: list[torch.nn.Module], undos: list[Callable[[], None]]) -> None:
+    """torchao float8 dynamic-activation / float8-weight on every Linear, undone without global side effects."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+
+    # set_inductor_config=False: by default torchao also calls torch.set_float32_matmul_precision("high"),
+    # a process-wide switch to TF32 that changed the dense model's float32 matmuls after the peer was undone
+    precision = torch.get_float32_matmul_precision()
+    for m in modules:
+        saved = [(lin, lin.weight, lin.__dict__.get("extra_repr")) for lin in m.modules()
+                 if isinstance(lin, torch.nn.Linear)]
+        quantize_(m, Float8DynamicActivationFloat8WeightConfig(set_inductor_config=False))
+
+        def undo(saved: list[Any] = saved) -> None:
+            for lin, weight, extra_repr in saved:
+                lin.weight = weight
+                if extra_repr is None:
+                    lin.__dict__.pop("extra_repr", None)  # torchao's bound extra_repr
+                else:
+                    lin.extra_repr = extra_repr
+
+        undos.append(undo)
+    undos.append(lambda: torch.set_float32_matmul_precision(precision))
 
 
 def _reset_caches(modules: list[torch.nn.Module], steps: int | None = None, cache_dit_active: bool = False) -> None:
