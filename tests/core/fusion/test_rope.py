@@ -78,3 +78,73 @@ def test_mismatched_frequency_layouts_are_refused() -> None:
     cos, sin = _freqs(4, 8, torch.float64)
     with pytest.raises(ValueError, match="freqs_cos and freqs_sin"):
         rope.rope_qk(q, q, cos, sin.transpose(1, 3).contiguous().transpose(1, 3))
+
+
+@pytest.fixture
+def pair_variant_only():
+    """Run the element-pair variant (any strides) on operands the row-contiguous variant would take."""
+    rope._STRIDED_ONLY[0] = True
+    try:
+        yield
+    finally:
+        rope._STRIDED_ONLY[0] = False
+
+
+def _variant(q: torch.Tensor) -> bool:
+    """ROW_CONTIGUOUS of the plan the last launch on ``q``'s geometry used."""
+    plans = [plan for key, plan in rope._PLANS.items() if key[1] == q.shape and key[2] == q.stride()]
+    return bool(plans[-1]._kwargs["ROW_CONTIGUOUS"])
+
+
+@pytest.mark.parametrize("freq_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_contiguous_and_pair_variants_are_bitwise_equal(freq_dtype: torch.dtype, request) -> None:
+    """Whole-row loads split in registers compute the very values the element-pair loads compute (Wan and SANA)."""
+    b, s, h, d = 2, 7, 3, 24  # D = 24: 12 pairs in a block of 16 (masked lanes)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = ((torch.randn(b, s, h, d, generator=g) * 3).to(torch.bfloat16) for _ in range(3))
+    cos, sin = _freqs(s, d, freq_dtype)
+    rows = rope.rope_qk(q, k, cos, sin)
+    assert _variant(q) is True
+    sana_rows = rope.sana_relu_rope(q, k, v, cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    request.getfixturevalue("pair_variant_only")
+    pairs = rope.rope_qk(q, k, cos, sin)
+    assert _variant(q) is False
+    sana_pairs = rope.sana_relu_rope(q, k, v, cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    assert all(torch.equal(a, c) for a, c in zip(rows, pairs, strict=True))
+    assert all(torch.equal(a, c) for a, c in zip(sana_rows, sana_pairs, strict=True))
+    ref = rope.reference_rope_qk(q, k, cos, sin)
+    assert all(torch.equal(a, r) for a, r in zip(rows, ref, strict=True))
+
+
+def test_strided_head_elements_take_the_pair_variant() -> None:
+    """A view whose D elements are not contiguous (every other element of a wider tensor) is still exact."""
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(1, 5, 2, 32, generator=g).to(torch.bfloat16)
+    q = wide[..., ::2]
+    assert not rope.row_contiguous(q) and rope.row_contiguous(q.contiguous())
+    cos, sin = _freqs(5, 16, torch.float64)
+    out_q, out_k = rope.rope_qk(q, q, cos, sin)
+    assert _variant(q) is False
+    assert torch.equal(out_q, rope.reference_rope(q, cos, sin)) and torch.equal(out_k, out_q)
+
+
+def test_a_row_variant_that_fails_on_first_launch_falls_back_to_pairs(monkeypatch, caplog) -> None:
+    """Fault injection: the first launch of a row-contiguous plan raises (as a compiler error would)."""
+    from worldfoundry.core.fusion.launch import KernelLauncher
+
+    original = KernelLauncher.__call__
+
+    def failing(self, *args, **kwargs):
+        if self._kwargs.get("ROW_CONTIGUOUS"):
+            raise RuntimeError("injected compile failure")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelLauncher, "__call__", failing)
+    monkeypatch.setattr(rope, "_STRIDED_ONLY", [False])
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 6, 2, 16, generator=g).to(torch.bfloat16)
+    cos, sin = _freqs(6, 16, torch.float64)
+    with caplog.at_level("WARNING", logger="worldfoundry.core.fusion.rope"):
+        out_q, _ = rope.rope_qk(q, q, cos, sin)
+    assert torch.equal(out_q, rope.reference_rope(q, cos, sin))
+    assert rope._STRIDED_ONLY == [True] and "row-contiguous variant failed" in caplog.text

@@ -23,6 +23,7 @@ Outputs are allocated with ``torch.empty_like`` of the tensors eager allocates f
 
 from __future__ import annotations
 
+import logging
 from typing import Final
 
 import torch
@@ -38,6 +39,8 @@ from worldfoundry.core.fusion.triton_support import (
     tl,
     triton,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Rows (token x head vectors) per program of the rotary kernels.
 ROWS_PER_PROGRAM: Final = 32
@@ -101,13 +104,41 @@ if TRITON_AVAILABLE:
             tl.store(fb + (2 * pb + 1) * o_d, odd, mask=mask)
 
     @triton.jit
+    def _rotate_rows(x_ptr, o_ptr, bb, sb, hb, dd, mask, c, s, x_b, x_s, x_h, o_b, o_s, o_h,
+                     COMPUTE: tl.constexpr, RELU: tl.constexpr, r_ptr, r_b, r_s, r_h, WRITE_RELU: tl.constexpr,
+                     f_ptr, WRITE_F32: tl.constexpr, OUT_BF16: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+        """:func:`_rotate` for rows whose ``D`` elements are contiguous in every operand: each row is read and
+        written whole (vector loads and stores) and split into its (even, odd) pairs in registers -- the same
+        operations on the same values, in the same order."""
+        x = tl.load(x_ptr + bb * x_b + sb * x_s + hb * x_h + dd, mask=mask, other=0.0)
+        if RELU:  # torch.relu: clamp_min(x, 0), NaN kept; compared in float32 (exact for bf16/f32 inputs)
+            dt = x.dtype
+            fx = x.to(tl.float32)
+            x = tl.where((fx > 0) | (fx != fx), fx, 0.0).to(dt)
+            if WRITE_RELU:
+                tl.store(r_ptr + bb * r_b + sb * r_s + hb * r_h + dd, x, mask=mask)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_P, 2)))
+        even, odd = _rotate_pair(x1, x2, c, s, COMPUTE, SOFTWARE_ROUNDING)
+        if WRITE_F32:  # the float32 value of the rounded output (eager: .float() after the copy)
+            if OUT_BF16:
+                even = round_bf16(even, SOFTWARE_ROUNDING)
+                odd = round_bf16(odd, SOFTWARE_ROUNDING)
+            out = tl.reshape(tl.join(even, odd), (BLOCK_R, 2 * BLOCK_P))
+            tl.store(f_ptr + bb * o_b + sb * o_s + hb * o_h + dd, out, mask=mask)
+        else:
+            out = tl.reshape(tl.join(even, odd), (BLOCK_R, 2 * BLOCK_P))
+            store_rounded(o_ptr + bb * o_b + sb * o_s + hb * o_h + dd, out, mask, OUT_BF16, SOFTWARE_ROUNDING)
+
+    @triton.jit
     def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qr_ptr, kr_ptr, qf_ptr, kf_ptr,
                      v_ptr, vf_ptr, R, S, H, P,
                      q_b, q_s, q_h, q_d, k_b, k_s, k_h, k_d, qo_b, qo_s, qo_h, qo_d, ko_b, ko_s, ko_h, ko_d,
                      qr_b, qr_s, qr_h, qr_d, kr_b, kr_s, kr_h, kr_d, v_b, v_s, v_h, v_d,
                      f_b, f_s, f_d, COMPUTE: tl.constexpr, RELU: tl.constexpr, WRITE_F32: tl.constexpr,
                      WITH_V: tl.constexpr, OUT_BF16: tl.constexpr, INDEX_64: tl.constexpr,
-                     SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                     SOFTWARE_ROUNDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                     ROW_CONTIGUOUS: tl.constexpr = False):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         pairs = tl.arange(0, BLOCK_P)
         if INDEX_64:  # widen before any multiply by a size or stride
@@ -123,21 +154,42 @@ if TRITON_AVAILABLE:
         hb = h[:, None]
         pb = pairs[None, :]
         fbase = bb * f_b + sb * f_s
-        c = tl.load(cos_ptr + fbase + (2 * pb) * f_d, mask=mask, other=0.0)
-        sn = tl.load(sin_ptr + fbase + (2 * pb + 1) * f_d, mask=mask, other=0.0)
-        _rotate(q_ptr, qo_ptr, bb, sb, hb, pb, mask, c, sn, q_b, q_s, q_h, q_d, qo_b, qo_s, qo_h, qo_d,
-                COMPUTE, RELU, qr_ptr, qr_b, qr_s, qr_h, qr_d, RELU, qf_ptr, WRITE_F32, OUT_BF16,
-                SOFTWARE_ROUNDING)
-        _rotate(k_ptr, ko_ptr, bb, sb, hb, pb, mask, c, sn, k_b, k_s, k_h, k_d, ko_b, ko_s, ko_h, ko_d,
-                COMPUTE, RELU, kr_ptr, kr_b, kr_s, kr_h, kr_d, RELU, kf_ptr, WRITE_F32, OUT_BF16,
-                SOFTWARE_ROUNDING)
-        if WITH_V:  # value.float(), stored with the layout of the rotated outputs
-            vb = v_ptr + bb * v_b + sb * v_s + hb * v_h
-            ob = vf_ptr + bb * qo_b + sb * qo_s + hb * qo_h
-            tl.store(ob + (2 * pb) * qo_d, tl.load(vb + (2 * pb) * v_d, mask=mask, other=0.0).to(tl.float32),
-                     mask=mask)
-            tl.store(ob + (2 * pb + 1) * qo_d,
-                     tl.load(vb + (2 * pb + 1) * v_d, mask=mask, other=0.0).to(tl.float32), mask=mask)
+        if ROW_CONTIGUOUS:  # whole rows: vector loads and stores, pairs split in registers
+            dd = tl.arange(0, 2 * BLOCK_P)
+            if INDEX_64:
+                dd = dd.to(tl.int64)
+            dd = dd[None, :]
+            rmask = (rows < R)[:, None] & (dd < 2 * P)
+            c, _ = tl.split(tl.reshape(tl.load(cos_ptr + fbase + dd * f_d, mask=rmask, other=0.0),
+                                       (BLOCK_R, BLOCK_P, 2)))
+            _, sn = tl.split(tl.reshape(tl.load(sin_ptr + fbase + dd * f_d, mask=rmask, other=0.0),
+                                        (BLOCK_R, BLOCK_P, 2)))
+            _rotate_rows(q_ptr, qo_ptr, bb, sb, hb, dd, rmask, c, sn, q_b, q_s, q_h, qo_b, qo_s, qo_h,
+                         COMPUTE, RELU, qr_ptr, qr_b, qr_s, qr_h, RELU, qf_ptr, WRITE_F32, OUT_BF16,
+                         SOFTWARE_ROUNDING, BLOCK_R, BLOCK_P)
+            _rotate_rows(k_ptr, ko_ptr, bb, sb, hb, dd, rmask, c, sn, k_b, k_s, k_h, ko_b, ko_s, ko_h,
+                         COMPUTE, RELU, kr_ptr, kr_b, kr_s, kr_h, RELU, kf_ptr, WRITE_F32, OUT_BF16,
+                         SOFTWARE_ROUNDING, BLOCK_R, BLOCK_P)
+            if WITH_V:
+                tl.store(vf_ptr + bb * qo_b + sb * qo_s + hb * qo_h + dd,
+                         tl.load(v_ptr + bb * v_b + sb * v_s + hb * v_h + dd, mask=rmask, other=0.0).to(tl.float32),
+                         mask=rmask)
+        else:  # element pairs with any strides
+            c = tl.load(cos_ptr + fbase + (2 * pb) * f_d, mask=mask, other=0.0)
+            sn = tl.load(sin_ptr + fbase + (2 * pb + 1) * f_d, mask=mask, other=0.0)
+            _rotate(q_ptr, qo_ptr, bb, sb, hb, pb, mask, c, sn, q_b, q_s, q_h, q_d, qo_b, qo_s, qo_h, qo_d,
+                    COMPUTE, RELU, qr_ptr, qr_b, qr_s, qr_h, qr_d, RELU, qf_ptr, WRITE_F32, OUT_BF16,
+                    SOFTWARE_ROUNDING)
+            _rotate(k_ptr, ko_ptr, bb, sb, hb, pb, mask, c, sn, k_b, k_s, k_h, k_d, ko_b, ko_s, ko_h, ko_d,
+                    COMPUTE, RELU, kr_ptr, kr_b, kr_s, kr_h, kr_d, RELU, kf_ptr, WRITE_F32, OUT_BF16,
+                    SOFTWARE_ROUNDING)
+            if WITH_V:  # value.float(), stored with the layout of the rotated outputs
+                vb = v_ptr + bb * v_b + sb * v_s + hb * v_h
+                ob = vf_ptr + bb * qo_b + sb * qo_s + hb * qo_h
+                tl.store(ob + (2 * pb) * qo_d, tl.load(vb + (2 * pb) * v_d, mask=mask, other=0.0).to(tl.float32),
+                         mask=mask)
+                tl.store(ob + (2 * pb + 1) * qo_d,
+                         tl.load(vb + (2 * pb + 1) * v_d, mask=mask, other=0.0).to(tl.float32), mask=mask)
 
     @triton.jit
     def _normalize_kernel(h_ptr, t_ptr, o_ptr, N, R, eps, INDEX_64: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -180,6 +232,16 @@ def compute_mode(x: torch.Tensor, freqs: torch.Tensor) -> int:
     return modes[dtype]
 
 
+def row_contiguous(*tensors: torch.Tensor | None) -> bool:
+    """Whether every given ``[B, S, H, D]`` operand has its ``D`` elements contiguous (stride 1, or size 1)."""
+    return all(t is None or t.shape[-1] == 1 or t.stride(-1) == 1 for t in tensors)
+
+
+#: ``[True]`` turns the row-contiguous variant off: tests (to check the element-pair variant on the same operands)
+#: and a first launch where it fails to compile (the process then keeps to the element-pair variant).
+_STRIDED_ONLY: list[bool] = [False]
+
+
 #: Launch plans by operand geometry (as in :mod:`~worldfoundry.core.fusion.adaln`).
 _PLANS: dict[tuple, KernelLauncher] = {}
 _MAX_PLANS: Final = 512
@@ -202,7 +264,9 @@ def _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit) ->
             *(v.stride() if v is not None else zero4), f_b, f_s, f_d)
     kwargs = dict(COMPUTE=compute_mode(q, cos), RELU=relu, WRITE_F32=qf is not None, WITH_V=v is not None,
                   OUT_BF16=q.dtype == torch.bfloat16, INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
-                  BLOCK_R=block_r, BLOCK_P=block_p, **launch_options())
+                  BLOCK_R=block_r, BLOCK_P=block_p,
+                  ROW_CONTIGUOUS=row_contiguous(q, k, qo, ko, relu_q, relu_k, qf, kf, v, vf) and not _STRIDED_ONLY[0],
+                  **launch_options())
     grid = (-(-rows // block_r),)  # plain ints: triton.cdiv is a slow constexpr function
     return KernelLauncher(_rope_kernel, grid, n_pointers=12, fixed=ints, constexprs=kwargs)
 
@@ -212,16 +276,28 @@ def _launch(q, k, cos, sin, qo, ko, *, relu_q=None, relu_k=None, qf=None, kf=Non
     # the outputs are allocated from q/k/v by the callers (``empty_like``), so the inputs' geometry decides theirs
     key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), cos.dtype, cos.shape, cos.stride(),
            sin.dtype, sin.shape, sin.stride(), qo.dtype, qo.stride(), ko.stride(), relu_q is not None,
-           qf is not None, None if v is None else (v.dtype, v.stride()), index_limit)
+           qf is not None, None if v is None else (v.dtype, v.stride()), index_limit, _STRIDED_ONLY[0])
     plan = _PLANS.get(key)
-    if plan is None:
+    fresh = plan is None
+    if fresh:
         plan = _plan(q, k, cos, sin, qo, ko, relu_q, relu_k, qf, kf, v, vf, index_limit)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     relu = relu_q is not None
-    plan((q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
-          kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo))
+    args = (q, k, qo, ko, cos, sin, relu_q if relu else qo, relu_k if relu else ko, qf if qf is not None else qo,
+            kf if kf is not None else ko, v if v is not None else q, vf if vf is not None else qo)
+    try:
+        plan(args)
+    except Exception as exc:  # the row variant failing to compile here: the element-pair variant, said once
+        if not (fresh and plan._kwargs.get("ROW_CONTIGUOUS")):
+            raise
+        logger.warning("rotary kernel: the row-contiguous variant failed (%s: %s); using the element-pair variant",
+                       type(exc).__name__, exc)
+        _STRIDED_ONLY[0] = True
+        _PLANS.pop(key, None)
+        _launch(q, k, cos, sin, qo, ko, relu_q=relu_q, relu_k=relu_k, qf=qf, kf=kf, v=v, vf=vf,
+                index_limit=index_limit)
 
 
 def rope_qk(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
