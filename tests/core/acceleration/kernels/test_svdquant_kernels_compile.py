@@ -71,3 +71,11 @@ def test_int8_activation_kernel_compiles_single_pass_for_sm90():
     kernel = triton.compile(ASTSource(fn=int8_act_quant._int8_rows_kernel, signature=sig, constexprs=consts),
                             target=HOPPER, options={"num_warps": meta["num_warps"], "enable_fp_fusion": False})
     assert "fma.rn.f32" not in kernel.asm["ptx"]  # x * rcp is rounded before the rounding addition
+
+
+def test_the_automatic_choice_reads_wide_rows_in_two_passes(monkeypatch):
+    """Rows wider than AUTO_SINGLE_PASS_MAX_K take two passes unless forced (both variants give the same bytes)."""
+    monkeypatch.setattr(int8_act_quant, "interpreter_enabled", lambda: False)
+    assert int8_act_quant._launch_shape(1536)["SINGLE_PASS"] is True
+    assert int8_act_quant._launch_shape(8960)["SINGLE_PASS"] is False
+    assert int8_act_quant._launch_shape(8960, single_pass=True)["SINGLE_PASS"] is True

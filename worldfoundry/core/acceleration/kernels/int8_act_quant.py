@@ -111,9 +111,12 @@ if TRITON_AVAILABLE:
         tl.store(s_ptr + rows, tl.div_rn(amax, 127.0), mask=rmask)
 
 
-#: Rows up to this many elements are read once and kept in registers (split into power-of-two pieces, so no
-#: lane is padding: an 8,960-wide row padded to 16,384 lanes measured 0.72 ms at 32,760 rows on an H200).
+#: Rows up to this many elements can be read once and kept in registers (split into power-of-two pieces, so no
+#: lane is padding).
 SINGLE_PASS_MAX_K: Final = 16384
+#: The automatic choice reads rows once only up to this width; wider rows take two passes, which the H200 run
+#: of ``benchmarks/kernels/svdquant.py`` found faster at 8,960 and slower at 1,536 (``docs/performance.md``).
+AUTO_SINGLE_PASS_MAX_K: Final = 4096
 #: Rows per program are grouped until a program holds about this many elements.
 TARGET_ELEMENTS_PER_PROGRAM: Final = 8192
 
@@ -121,14 +124,15 @@ TARGET_ELEMENTS_PER_PROGRAM: Final = 8192
 def _launch_shape(k: int, single_pass: bool | None = None) -> dict[str, int | bool]:
     """Launch meta-parameters: ``BLOCK_M``, ``BLOCK_K``, ``SINGLE_PASS``, pieces ``P0..P2`` and ``num_warps``.
 
-    Single pass (rows up to :data:`SINGLE_PASS_MAX_K` elements, the default on CUDA): the row split into at
+    Single pass (rows up to :data:`SINGLE_PASS_MAX_K` elements; the default on CUDA up to
+    :data:`AUTO_SINGLE_PASS_MAX_K`): the row split into at
     most three power-of-two pieces (:func:`~worldfoundry.core.acceleration.kernels.fp8_rowwise_quant.row_pieces`:
     ``1536 = 1024 + 512``, ``8960 = 8192 + 512 + 256``), about 8K elements per program, 4 warps up to 10K
     elements per program (the layout the FP8 rowwise quantizer was tuned to on an H200). Otherwise two passes
     of 1,024-wide chunks over 8 rows.
     """
     if single_pass is None:
-        single_pass = k <= SINGLE_PASS_MAX_K and not interpreter_enabled()
+        single_pass = k <= AUTO_SINGLE_PASS_MAX_K and not interpreter_enabled()
     if single_pass and k <= SINGLE_PASS_MAX_K:
         p0, p1, p2 = row_pieces(k)
         width = p0 + p1 + p2
