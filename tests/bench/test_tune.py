@@ -53,3 +53,21 @@ def test_cli_reports_a_bad_space(tmp_path: Path, capsys) -> None:
     space.write_text(json.dumps({"easycache": {"threshold": "high"}}))
     assert main(["tune", "--space", str(space), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "space.easycache.threshold" in capsys.readouterr().err
+
+
+def test_generated_names_are_valid_candidate_names_for_the_default_space() -> None:
+    """Nested and list options (optimized_mha, selective_fp8, attention_policy) make valid, distinct names."""
+    import itertools
+
+    from worldfoundry.bench.candidates import CANDIDATE_NAME
+    from worldfoundry.bench.tune import DEFAULT_SPACE, MAX_NAME, _name
+
+    singles = [{plugin: choice} for plugin, ranges in DEFAULT_SPACE.items() for choice in ranges.get("choices", [])]
+    singles.append({"easycache": {"threshold": 0.0625, "warmup_steps": 2, "final_dense_steps": 1}})
+    specs = singles + [{**a, **b} for a, b in itertools.combinations(singles, 2) if not set(a) & set(b)]
+    names = [_name(spec) for spec in specs]
+    for name in names:
+        assert CANDIDATE_NAME.fullmatch(name) and len(name) <= MAX_NAME, name
+    assert len(set(names)) == len(names)
+    assert _name({"optimized_mha": {"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}}}) == \
+        "optimized_mha-self.fusion=qkv-cross.fusion=kv"

@@ -17,9 +17,11 @@ not installed (or need CUDA on a CPU run) are left out and listed in the trace.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ DEFAULT_WORKLOAD: dict[str, Any] = {"prompt": "a red square moving left", "negat
                                     "seeds": [42]}
 DEFAULT_TUNE_BUDGET: dict[str, float] = {"latent_rel_l2": 0.03, "psnr_db": 33.0, "min_ssim": 0.98}
 INVALID_PREFIXES = ("invalid", "rejected", "refused")
+#: Longest generated candidate name (the candidate-file rule allows 128 characters).
+MAX_NAME = 96
 
 
 class TuneSpaceError(ValueError):
@@ -139,14 +143,32 @@ def _cache_opts(ranges: dict[str, Any], threshold: float, warmup: int) -> dict[s
             "final_dense_steps": int(ranges.get("final_dense_steps", 1))}
 
 
+def _option_tokens(opts: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key=value`` tokens of (nested) options: ``self.fusion=qkv``, ``include=blocks.*.ffn.net.2,...``."""
+    tokens: list[str] = []
+    for key, value in opts.items():
+        if isinstance(value, dict):
+            tokens += _option_tokens(value, f"{prefix}{key}.")
+        elif isinstance(value, (list, tuple)):
+            tokens.append(f"{prefix}{key}=" + ",".join(str(v) for v in value))
+        else:
+            tokens.append(f"{prefix}{key}={value:g}" if isinstance(value, float) else f"{prefix}{key}={value}")
+    return tokens
+
+
 def _name(spec: dict[str, dict[str, Any]]) -> str:
+    """A candidate name for ``spec`` that the candidate-file rules accept (``CANDIDATE_NAME``), unique per spec."""
     parts = []
     for plugin, opts in spec.items():
         if plugin == CACHE_PLUGIN:
             parts.append(f"ec{opts['threshold']:g}w{opts['warmup_steps']}")
         else:
-            parts.append(plugin + ("-" + "-".join(f"{v}" for v in opts.values()) if opts else ""))
-    return "+".join(parts).replace(" ", "")[:80]
+            parts.append("-".join([plugin, *_option_tokens(opts)]))
+    name = re.sub(r"[^A-Za-z0-9._+=@,:\-]", "_", "+".join(parts))
+    if len(name) > MAX_NAME:  # shortened names stay distinct: a digest of the whole spec ends them
+        digest = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        name = f"{name[:MAX_NAME - 11]}-{digest}"
+    return name
 
 
 def _ok(record: dict[str, Any]) -> bool:
