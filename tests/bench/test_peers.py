@@ -15,6 +15,14 @@ WORKLOAD = {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "s
             "seeds": [1]}
 
 
+def _bench_with_peers(tmp_path: Path, peers: list[str]) -> dict:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
+        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
+    return run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
+                                 rounds=3, max_rounds=3, progress=False, peers=peers))
+
+
 def test_resolve_skips_what_cannot_run_here() -> None:
     run, skipped = resolve_peers(None, torch.device("cpu"))
     reasons = {s["peer"]: s["reason"] for s in skipped}
@@ -26,11 +34,7 @@ def test_resolve_skips_what_cannot_run_here() -> None:
 
 
 def test_eager_and_first_block_cache_rows(tmp_path: Path) -> None:
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
-        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
-    results = run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
-                                    rounds=3, max_rounds=3, progress=False, peers=["eager", "fbcache"]))
+    results = _bench_with_peers(tmp_path, ["eager", "fbcache"])
     peers = {p["peer"]: p for p in results["peers"]}
     assert set(peers) == {"eager", "fbcache"}, results["peers"]
     for row in peers.values():
@@ -62,11 +66,7 @@ def test_a_peer_whose_undo_leaves_the_model_changed_is_named(tmp_path: Path, mon
         return partial_undo, info
 
     monkeypatch.setattr(peers_module, "_apply", leaky)
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
-        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
-    results = run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
-                                    rounds=3, max_rounds=3, progress=False, peers=["eager", "fbcache"]))
+    results = _bench_with_peers(tmp_path, ["eager", "fbcache"])
     rows = {p["peer"]: p for p in results["peers"]}
     assert rows["eager"]["restored"] is True
     assert rows["fbcache"]["restored"] is False
