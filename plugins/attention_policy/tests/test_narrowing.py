@@ -8,6 +8,7 @@ from diffusers.models import attention_dispatch
 from diffusers.models.transformers import transformer_wan
 from worldfoundry_attention_policy import narrowing
 
+from worldfoundry import testing
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.attention.provider_dispatch import SdpaInterception
@@ -75,6 +76,22 @@ def test_outside_a_routed_call_the_pass_through_calls_the_dispatcher_unchanged(w
     assert torch.equal(transformer_wan.dispatch_attention_fn(q, q, q), direct)  # nothing pending: plain dispatch
     session.uninstall()
     assert torch.equal(wan_case.run(), dense)
+
+
+def test_another_model_compiles_through_the_pass_through(wan_case, registry) -> None:
+    """A second instance compiled (full graph) while the first holds a policy: the pass-through is transparent to
+    dynamo, and the compiled output equals that instance's eager output."""
+    other = type(wan_case)(testing.tiny_wan(1, weight_scale=None), False)
+    expected = other.run()
+    session = install_diffusion_accelerations(wan_case.model, SPEC, registry=registry)
+    assert narrowing.is_ours(transformer_wan.dispatch_attention_fn)
+    torch._dynamo.reset()
+    other.model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    try:
+        assert torch.equal(other.run(), expected)
+    finally:
+        torch._dynamo.reset()
+        session.uninstall()
 
 
 class _BypassingProcessor(transformer_wan.WanAttnProcessor):

@@ -27,6 +27,6 @@ class SlowToLaunch(nn.Module):
 def test_primed_samples_measure_device_time() -> None:
     device = torch.device("cuda")
     timing = time_block_compute(SlowToLaunch(), lambda: {"x": torch.ones(1024, device=device)}, device=device,
-                                warmup=1, samples=4)
+                                warmup=1, samples=8)
     assert timing.timer == "cuda_events_primed"
     assert timing.median_ms < 0.5  # unprimed, every sample would wait for the host: about 2 ms per call

@@ -8,7 +8,7 @@ is bracketed by CUDA events (no host synchronisation between samples; one at the
 Compute samples call ``make_inputs()`` before the start event of each sample, so resetting the inputs
 (cloning the hidden states) is not part of the timed region. A compute sample is the mean of a few
 back-to-back calls, the way blocks follow each other in a forward. On CUDA the device is first kept busy
-(``torch.cuda._sleep``, about twice the host's enqueue time of one sample) before the start event, so all calls
+(``torch.cuda._sleep``, about four times the host's enqueue time of one sample, plus 2 ms) before the start event, so all calls
 of the sample are queued when the timed region begins: c is the block's device time, not the pace at which
 the host launches kernels (which varies between hosts and between moments on one host, and which made c
 bimodal on launch-bound workloads).
@@ -137,8 +137,9 @@ def _settle_clocks(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]
 
 def _priming_cycles(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any]], device: torch.device,
                     calls: int) -> int:
-    """GPU spin cycles that keep the device busy for about twice the host time of queuing ``calls`` block calls
-    (plus 1 ms); 0 when this PyTorch has no ``torch.cuda._sleep``."""
+    """GPU spin cycles that keep the device busy for about four times the host time of queuing ``calls`` block
+    calls (plus 2 ms; the spin is not part of the timed interval, and a loaded host queues some samples more slowly
+    than the probe did); 0 when this PyTorch has no ``torch.cuda._sleep``."""
     sleep = getattr(torch.cuda, "_sleep", None)
     if sleep is None:
         return 0
@@ -157,7 +158,7 @@ def _priming_cycles(block: nn.Module, make_inputs: Callable[[], Mapping[str, Any
     end.record()
     end.synchronize()
     cycles_per_ms = probe / max(start.elapsed_time(end), 1e-3)
-    return int(cycles_per_ms * (2.0 * enqueue_ms + 1.0))
+    return int(cycles_per_ms * (4.0 * enqueue_ms + 2.0))
 
 
 def time_block_transfer(storage: HostBlockStorage, *, device: torch.device, warmup: int = DEFAULT_WARMUP,

@@ -28,6 +28,8 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any, Final
 
+import torch
+
 from worldfoundry.core.attention.provider_dispatch import SdpaInterception
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ def is_ours(fn: Any) -> bool:
 def _pass_through(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # a compiled model: nothing of ours is pending there, and dynamo
+            return original(*args, **kwargs)  # cannot trace ContextVar.get
         pending = PENDING.get()
         if pending is None:
             return original(*args, **kwargs)
