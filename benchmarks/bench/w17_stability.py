@@ -6,7 +6,7 @@ without peers. Prints per candidate both verdicts, medians and CI half-widths, t
 (noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
-    python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
+    python benchmarks/bench/w17_stability.py [--time-budget 12] [--model wan2.1-t2v-1.3b]
 
 The two runs can also be made in two device calls (each call has a time limit): ``--runs a`` writes the
 summary of run A only; ``--runs b --previous path/to/w17_stability.json`` runs B and compares it with the A of
@@ -53,7 +53,7 @@ def _row(c: dict[str, Any]) -> tuple[str, str, str]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
-    p.add_argument("--time-budget", type=float, default=6.0)
+    p.add_argument("--time-budget", type=float, default=12.0)
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--runs", default="a,b", help="which runs to make here: a (with peers), b, or a,b")
     p.add_argument("--previous", default=None, help="an earlier w17_stability.json whose runs are kept")

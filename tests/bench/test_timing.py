@@ -106,3 +106,19 @@ def test_loop_timer_restores_the_methods() -> None:
         assert den.end_request("r") == "e"
     assert timer.seconds is not None and timer.seconds >= 0.0
     assert "prepare_request_schedule" not in vars(den) and "end_request" not in vars(den)
+
+
+@pytest.mark.parametrize(("min_rounds", "max_rounds"), [(3, 3), (3, 12), (8, 20)])
+def test_control_pairs_get_more_rounds_and_time_than_candidates(min_rounds, max_rounds) -> None:
+    from worldfoundry.bench.harness import CONTROL_MIN_ROUNDS, control_policy
+
+    policy = TimingPolicy(min_rounds=min_rounds, max_rounds=max_rounds, budget_s=5.0)
+    control = control_policy(policy)
+    assert control.min_rounds == max(min_rounds, CONTROL_MIN_ROUNDS)
+    assert control.max_rounds >= max(control.min_rounds, max_rounds)
+    assert control.budget_s == 10.0
+    assert control.target_halfwidth == policy.target_halfwidth
+    # with a steady host every control round is run: the noise floor is never the largest of 3 ratios
+    ticks = itertools.count()
+    out = run_rounds(lambda r: (1.0, 1.0), control, clock=lambda: float(next(ticks)))
+    assert out["rounds"] >= CONTROL_MIN_ROUNDS

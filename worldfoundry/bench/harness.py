@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "tiny-wan2.1-trained"
 TIMING_RTOL = 1e-6
+#: Dense-vs-dense control pairs always timed (the noise floor).
+CONTROL_MIN_ROUNDS = 6
 
 
 def default_candidates_path() -> Path:
@@ -262,7 +264,15 @@ def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], pol
     # one untimed generation through the timed path first: the pilots ran another output path, and the first
     # timed call pays one-off costs (event timers, allocator growth) that would widen the noise floor
     timed_generate(runner, seeds[0], "control-warmup")
-    return run_rounds(pair, policy)
+    return run_rounds(pair, control_policy(policy))
+
+
+def control_policy(policy: TimingPolicy) -> TimingPolicy:
+    """The control pairs' policy: at least :data:`CONTROL_MIN_ROUNDS` rounds and twice the time budget. The noise
+    floor is the upper bound of a bootstrap CI of the median, which with 3 rounds is simply the largest ratio: one
+    pair straddling a change of the host's speed would declare the whole run noisy."""
+    rounds = max(policy.min_rounds, CONTROL_MIN_ROUNDS)
+    return replace(policy, min_rounds=rounds, max_rounds=max(policy.max_rounds, rounds), budget_s=2 * policy.budget_s)
 
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
