@@ -8,12 +8,20 @@ hands each SDPA call to its route's provider or lets it run: entered around diff
 the processor's module allows it (:mod:`~worldfoundry_attention_policy.narrowing`), else around the whole forward.
 Every routed call is counted: ``executed(module, provider)`` or ``fallback(module, "<type>: <reason>")``; the
 report's ``interception`` says how many calls took each of the two paths.
+
+Beside ``cuda_graph`` (:meth:`AttentionPolicyHandle.graph_call`): which provider runs a call is settled by the
+shapes (part of every graph's signature), the modules' diffusers attention backends and, for a route with a step
+range, the request's step; the last two are the graph key, so each combination is captured once and replays run
+the providers the eager path would have chosen. The ledger calls made while a forward is captured are applied
+again on every replay by the graph runner; the interception-path counters are taken back and re-counted the same
+way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +31,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.attention_sites impo
     diffusers_attention_backend,
 )
 from worldfoundry.core.acceleration.context import current_request
+from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
 from worldfoundry.core.acceleration.handle import RecordedHandle
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
@@ -46,6 +55,31 @@ class AttentionPolicyHandle(RecordedHandle):
 
     def end_request(self, request_id: str) -> None:
         self.ledger.finish(request_id)
+
+    # ------------------------------------------------------------------ CUDA-graph capture
+    def graph_call(self) -> GraphCall:
+        """The state beyond shapes that selects the providers of this model call (see the module docstring)."""
+        context = current_request()
+        steps = tuple(route.decline_before(None, context) for _, route in sorted(self._routes.items())
+                      if route.uses_steps)
+        backends = tuple(diffusers_attention_backend(plan.site.module.processor) for plan in self._plans)
+        return GraphCall(key=("attention_policy", steps, backends), serve=self._serve_capture,
+                         replayed=self._count_replay)
+
+    @contextlib.contextmanager
+    def _serve_capture(self, buffers: Sequence[Any]) -> Iterator[dict[str, int]]:
+        before = dict(self._paths)
+        taken: dict[str, int] = {}
+        try:
+            yield taken
+        finally:
+            for key, n in self._paths.items():
+                taken[key] = n - before.get(key, 0)
+                self._paths[key] = before.get(key, 0)
+
+    def _count_replay(self, taken: dict[str, int]) -> None:
+        for key, n in taken.items():
+            self._paths[key] = self._paths.get(key, 0) + n
 
     def execution_report(self) -> dict[str, Any]:
         report = super().execution_report()
