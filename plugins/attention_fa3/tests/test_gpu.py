@@ -78,3 +78,21 @@ def test_attention_policy_routes_wan_self_attention_to_fa3(fa3) -> None:  # noqa
     session.uninstall()
     with torch.no_grad():
         assert torch.equal(model(**inputs)[0], dense)
+
+
+@pytest.mark.skipif(not _sm90(), reason="fa3-fwd kernels are built for sm90")
+def test_direct_op_call_equals_flash_attn_func() -> None:
+    from fa3_fwd_interface import flash_attn_func
+    from worldfoundry_attention_fa3 import provider
+
+    assert provider._direct_op() is not None, "the pinned fa3-fwd version's op signature is known"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for sq, sk, causal, scale in ((3600, 3600, False, None), (1000, 512, False, 0.1), (777, 777, True, None)):
+        q = torch.randn(2, sq, 12, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(2, sk, 12, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        with torch.no_grad():
+            direct = provider.fa3_tokens_major(q, k, v, scale=scale, is_causal=causal)
+        assert torch.equal(direct, flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+    # inputs that need a gradient take flash_attn_func's autograd path (fa3-fwd has no backward: it raises there)
+    q.requires_grad_(True)
+    assert not provider._direct_ok(q, k, v)

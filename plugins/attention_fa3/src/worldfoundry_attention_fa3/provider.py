@@ -18,6 +18,7 @@ against the wheel's build flags.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as importlib_metadata
 from typing import Any, Final
@@ -97,9 +98,47 @@ def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None
     return build_flag_reason(config, dtype, head_dim)
 
 
+#: ``fa3-fwd`` versions whose compiled ``torch.ops.fa3_fwd.fwd`` takes the 34 arguments :func:`_fwd_direct` passes.
+DIRECT_VERSIONS: Final = frozenset({"0.0.3"})
+
+
+@functools.lru_cache(maxsize=1)
+def _direct_op() -> Any:
+    """The compiled forward op when this ``fa3-fwd`` version's signature is known, else ``None``."""
+    if installed_version() not in DIRECT_VERSIONS:
+        return None
+    importlib.import_module(MODULE)  # registers torch.ops.fa3_fwd
+    return torch.ops.fa3_fwd.fwd
+
+
+def _direct_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False  # the direct call records no autograd graph
+    return query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
+def _fwd_direct(op: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                is_causal: bool) -> torch.Tensor:
+    """The arguments ``flash_attn_func`` hands the compiled op for plain attention, without its autograd
+    function and ``torch.library`` custom-op layers (host time per call; same kernel, same output)."""
+    if scale is None:
+        scale = query.shape[-1] ** (-0.5)
+    none3 = (None, None, None)
+    out = op(query, key, value, None, None, None, None, *none3, None, None, None, None, *none3, *none3, *none3,
+             scale, is_causal, -1, -1, 0, 0.0, True, None, 1, None, 0)
+    return out[0]
+
+
 def fa3_tokens_major(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float | None,
                      is_causal: bool) -> torch.Tensor:
-    """FlashAttention-3 forward on ``(B, S, H, D)`` tensors."""
+    """FlashAttention-3 forward on ``(B, S, H, D)`` tensors.
+
+    Without autograd and with unit-stride last dimensions (as diffusers' dispatcher passes them) the compiled op
+    is called directly (:data:`DIRECT_VERSIONS`); otherwise through ``fa3_fwd_interface.flash_attn_func``.
+    """
+    op = _direct_op()
+    if op is not None and _direct_ok(query, key, value):
+        return _fwd_direct(op, query, key, value, scale, is_causal)
     from fa3_fwd_interface import flash_attn_func
 
     out = flash_attn_func(query, key, value, softmax_scale=scale, causal=is_causal)
@@ -123,5 +162,5 @@ def register_attention_providers(register: Any) -> None:
     register(fa3_provider())
 
 
-__all__ = ["NAME", "build_flag_reason", "fa3_provider", "fa3_tokens_major", "installed_version", "probe",
+__all__ = ["DIRECT_VERSIONS", "NAME", "build_flag_reason", "fa3_provider", "fa3_tokens_major", "installed_version", "probe",
            "torch_version_reason"]
