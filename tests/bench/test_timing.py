@@ -122,3 +122,20 @@ def test_control_pairs_get_more_rounds_and_time_than_candidates(min_rounds, max_
     ticks = itertools.count()
     out = run_rounds(lambda r: (1.0, 1.0), control, clock=lambda: float(next(ticks)))
     assert out["rounds"] >= CONTROL_MIN_ROUNDS
+
+
+def test_timed_requests_run_with_the_garbage_collector_paused() -> None:
+    import gc
+
+    from worldfoundry.bench.timing import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it as it found it
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failing request")
+    assert gc.isenabled()

@@ -3,6 +3,7 @@ interleaved paired timing -> verdict; finally results.json, report.md and plots.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -171,10 +172,13 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
                                                    random_weights=config.random_weights, registry=registry)
+    gc.collect()
+    gc.freeze()  # the loaded model and libraries: later collections skip them
     try:
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
         insert_rows(results["candidates"], plan.unavailable)
     finally:
+        gc.unfreeze()
         pipe.close()
         config.extra.pop("_timing_policy", None)
         config.extra.pop("_noisy", None)
@@ -219,7 +223,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
     tpolicy = _timing_policy(config, rounds)
-    results["timing_policy"] = asdict(tpolicy)
+    results["timing_policy"] = {**asdict(tpolicy), "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
         control = _control_pairs(runner, dense, seeds, tpolicy)
         results["dense"]["control"] = control

@@ -133,7 +133,8 @@ def _timing_line(results: dict[str, Any]) -> str:
     return (f"adaptive rounds {tp['min_rounds']}–{tp['max_rounds']} until the CI half-width ≤ "
             f"{tp['target_halfwidth']:.1%} or {tp['budget_s']:.0f} s per candidate; denoise loop timed with "
             f"{'CUDA events' if results.get('environment', {}).get('device') == 'cuda' else 'perf_counter'}; "
-            f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']})")
+            f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']})"
+            + (f"; garbage collector {tp['gc']}" if tp.get("gc") else ""))
 
 
 def _peer_lines(results: dict[str, Any]) -> list[str]:

@@ -8,14 +8,19 @@ bound on each candidate's speedup, and the noisy-host rule.
   ``target_halfwidth`` (relative to the median), or ``max_rounds`` / ``budget_s`` end.
 * :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
   median above ``bound * (1 + tolerance)`` is ``invalid_timing``.
+* :func:`timed_generate` runs each timed request with Python's garbage collector paused (:func:`gc_paused`); the
+  harness collects and freezes what exists once the model is loaded, so the collections between requests stay
+  short.
 * :func:`noisy_host`: the dense-vs-dense control CI's upper bound above ``max_noise_floor`` (default 1.05) means
   the host is too noisy for any speed verdict.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,10 +201,24 @@ class LoopTimer:
                 delattr(self.denoiser, key)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (back on after, if it was on): a collection that
+    starts inside a timed generation adds its pause to one arm of one pair only."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[str, Any]]:
-    """One latent-only request; returns the result, the loop's device time and the per-phase timings."""
+    """One latent-only request, the garbage collector paused; returns the result, the loop's device time and the
+    per-phase timings."""
     den = runner.pipe.components.denoiser
-    with LoopTimer(den, runner.pipe.policy.device) as timer:
+    with gc_paused(), LoopTimer(den, runner.pipe.policy.device) as timer:
         result = runner.generate(seed, tag)
     seconds = timer.seconds if timer.seconds is not None else result.timings["denoise_s"]
     phases = {"denoise_event_s": seconds, "encode_s": result.timings.get("encode_s"),
