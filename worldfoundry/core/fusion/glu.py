@@ -13,8 +13,8 @@ off, so its output is bitwise eager's. Triton's interpreter has no libdevice: th
 ``exp``, which differs from torch's CPU ``exp`` in the last bit of many values -- the interpreted kernel is
 bitwise :func:`reference_silu_gate_formula` with numpy's ``exp`` (what the CPU tests check), not torch's CPU SiLU.
 
-The output has the strides eager's ``h * silu(g)`` output has (TensorIterator's choice, computed once per
-geometry on the meta device; channels-last halves give a channels-last product), so the convolutions after it see
+The output has the strides eager's ``h * silu(g)`` output has (TensorIterator's choice, reproduced by
+:mod:`~worldfoundry.core.fusion.layout` once per geometry; channels-last halves give a channels-last product), so the convolutions after it see
 the same layout. The kernel works on a ``[rows, columns]`` view of that layout: columns are the output's
 innermost dimension, rows the others, merged where every operand's strides allow (at most three row dimensions;
 channels-last halves of a ``[N, 2C, H, W]`` tensor give one).
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from worldfoundry.core.fusion.indexing import INT32_MAX, needs_int64
 from worldfoundry.core.fusion.launch import KernelLauncher
+from worldfoundry.core.fusion.layout import elementwise_strides
 from worldfoundry.core.fusion.triton_support import (
     TRITON_AVAILABLE,
     interpreter_enabled,
@@ -136,10 +137,10 @@ def silu_gate_reason(h: torch.Tensor, g: torch.Tensor) -> str | None:
 
 
 def eager_strides(h: torch.Tensor, g: torch.Tensor) -> tuple[int, ...]:
-    """The strides of eager's ``h * silu(g)`` output (TensorIterator's choice, computed on the meta device)."""
-    hm = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device="meta")
-    gm = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
-    return tuple((hm * F.silu(gm)).stride())
+    """The strides of eager's ``h * silu(g)`` output: TensorIterator's choice for ``silu(g)``, then for the product
+    of ``h`` and that (:func:`~worldfoundry.core.fusion.layout.elementwise_strides`)."""
+    silu = elementwise_strides(g.shape, [g.stride()])
+    return elementwise_strides(h.shape, [h.stride(), silu])
 
 
 def collapse(shape: tuple[int, ...], out: tuple[int, ...], *others: tuple[int, ...]
