@@ -2,12 +2,13 @@
 
 Cases (random bf16 data, ``x * 4``; the halves are ``torch.chunk(x, 2, dim=1)``):
 
-* ``sana480p``: ``x`` is ``[21, 13440, 30, 52]`` channels-last (the default SANA-Video feed-forward at latent
-  21x60x104: 32,760 tokens, 2 x 6,720 hidden channels), as ``conv_depth`` outputs it;
+* ``sana480p``: ``x`` is ``[21, 11200, 30, 52]`` channels-last (the default SANA-Video feed-forward at latent
+  21x60x104: 32,760 tokens, 2 x 5,600 hidden channels (mlp_ratio 2.5)), as ``conv_depth`` outputs it;
 * ``sana480p_cfg``: the same with 42 frames (a batch of two: classifier-free guidance);
-* ``contiguous``: ``[21, 13440, 30, 52]`` contiguous (another layout of the same tensor);
+* ``contiguous``: ``[21, 11200, 30, 52]`` contiguous (another layout of the same tensor);
 * ``fp16`` / ``fp32``: the ``sana480p`` layout at a quarter of the frames in float16 / float32;
-* ``int64``: ``[2, 13440, 400, 400]`` channels-last (4.3e9 elements: the 64-bit path on real data).
+* ``int64``: ``[2, 11200, 400, 400]`` channels-last (3.6e9 elements; each half holds 1.8e9 but reaches past
+  ``2**31``: the 64-bit path).
 
 Per case: bitwise equality with eager ``h * F.silu(g)``, equal strides, and interleaved paired timing (>= 5
 rounds) of eager vs the kernel. Prints a table last; JSON to ``$OUT/glu.json`` (default ``./bench_out``).
@@ -35,12 +36,12 @@ from worldfoundry.bench.microbench import interleaved, provenance, sync
 from worldfoundry.core.fusion.glu import silu_gate
 
 CASES: dict[str, tuple[tuple[int, int, int, int], torch.dtype, bool]] = {
-    "sana480p": ((21, 13440, 30, 52), torch.bfloat16, True),
-    "sana480p_cfg": ((42, 13440, 30, 52), torch.bfloat16, True),
-    "contiguous": ((21, 13440, 30, 52), torch.bfloat16, False),
-    "fp16": ((6, 13440, 30, 52), torch.float16, True),
-    "fp32": ((6, 13440, 30, 52), torch.float32, True),
-    "int64": ((2, 13440, 400, 400), torch.bfloat16, True),
+    "sana480p": ((21, 11200, 30, 52), torch.bfloat16, True),
+    "sana480p_cfg": ((42, 11200, 30, 52), torch.bfloat16, True),
+    "contiguous": ((21, 11200, 30, 52), torch.bfloat16, False),
+    "fp16": ((6, 11200, 30, 52), torch.float16, True),
+    "fp32": ((6, 11200, 30, 52), torch.float32, True),
+    "int64": ((2, 11200, 400, 400), torch.bfloat16, True),
 }
 SMOKE = {"sana480p": ((2, 24, 3, 5), torch.bfloat16, True), "contiguous": ((2, 24, 3, 5), torch.bfloat16, False),
          "fp32": ((2, 24, 3, 5), torch.float32, True)}

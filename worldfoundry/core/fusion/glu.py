@@ -14,10 +14,10 @@ off, so its output is bitwise eager's. Triton's interpreter has no libdevice: th
 bitwise :func:`reference_silu_gate_formula` with numpy's ``exp`` (what the CPU tests check), not torch's CPU SiLU.
 
 The output has the strides eager's ``h * silu(g)`` output has (TensorIterator's choice, reproduced by
-:mod:`~worldfoundry.core.fusion.layout` once per geometry; channels-last halves give a channels-last product), so the convolutions after it see
-the same layout. The kernel works on a ``[rows, columns]`` view of that layout: columns are the output's
-innermost dimension, rows the others, merged where every operand's strides allow (at most three row dimensions;
-channels-last halves of a ``[N, 2C, H, W]`` tensor give one).
+:mod:`~worldfoundry.core.fusion.layout` once per geometry; channels-last halves give a channels-last product),
+so the convolutions after it see the same layout. The kernel works on a ``[rows, columns]`` view of that layout:
+columns are the output's innermost dimension, rows the others, merged where every operand's strides allow (at
+most three row dimensions; channels-last halves of a ``[N, 2C, H, W]`` tensor give one).
 
 Example (CPU, interpreter)::
 
