@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry.core.fusion import glu
 from worldfoundry.errors import AccelerationRefusedError
@@ -112,6 +113,10 @@ def test_runtime_fallbacks_are_counted_with_reasons(kit: Any) -> None:
     assert record["counters"]["glu"] == 1
     assert record["module_fallbacks"] == {"transformer_blocks.1": {"glu: " + sana_ffn.REASON_HOOKS: 1}}
     handle.remove()
+    with request_scope(RequestContext("r3")):  # grad mode: the original forward, counted
+        assert torch.equal(model(**inputs)[0].detach(), dense)
+    reasons = kit.record_of(session, "r3", NAME)["module_fallbacks"]
+    assert all(f"glu: {sana_ffn.REASON_GRAD}" in reasons[p] for p in BLOCKS)
     session.uninstall()
 
 
