@@ -162,3 +162,13 @@ def test_precompile_records_the_glu_variant_the_first_forward_launches(kit: Any,
     assert len(seen) == 1 and len(seen[0]) == 1 and seen[0] == set(glu._PLANS)
     assert kit.record_of(session, "r1", NAME)["counters"]["glu"] == 2  # precompilation counts nothing
     session.uninstall()
+
+
+def test_options_name_the_glu_chain() -> None:
+    from worldfoundry.errors import AccelerationOptionsError
+    from worldfoundry_block_fusion.options import SANA_CHAINS, SanaOptions, WanOptions
+
+    assert "glu" in SANA_CHAINS and SanaOptions.from_mapping({}).chains == SANA_CHAINS
+    assert SanaOptions.from_mapping({"chains": ["glu"]}).chains == ("glu",)
+    with pytest.raises(AccelerationOptionsError, match="chains\\[0\\]"):
+        WanOptions.from_mapping({"chains": ["glu"]})
