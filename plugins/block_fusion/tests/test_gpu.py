@@ -92,3 +92,5 @@ def test_sana_video_480p_two_blocks_bitwise() -> None:
               "return_dict": False}
     record = _check(model, "sana_block_fusion", inputs, _registry(), 2)
     assert record["counters"]["linear_attention"] == 2
+    assert record["counters"]["glu"] == 2  # the feed-forward's gated SiLU, at 2 x 5,600 channels x 32,760 tokens
+    assert not any(reason.startswith("glu") for reason in record["fallbacks"])

@@ -8,6 +8,8 @@
   (``norm * (1 + scale) + shift`` with the modulation-table add folded in), gated residual and plain residual.
 * :mod:`~worldfoundry.core.fusion.rope` — Wan rotary embedding of Q and K in one launch, and SANA-Video's
   ReLU + rotary + float32 casts of the linear self-attention.
+* :mod:`~worldfoundry.core.fusion.glu` — SANA-Video's GLU gated SiLU ``h * silu(g)`` over two strided halves.
+* :mod:`~worldfoundry.core.fusion.layout` — the output strides eager elementwise ops choose (TensorIterator's rule).
 
 Every kernel performs the operations eager diffusers performs, in the same precision and the same order, with
 floating-point contraction disabled (``enable_fp_fusion=False``), so its output is bitwise the eager output.

@@ -4,7 +4,7 @@ Spec::
 
     {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"],
                           "min_tokens": 0, "blocks": null}}
-    {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention"]}}
+    {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention", "glu"]}}
 
 Example:
     >>> WanOptions.from_mapping({"chains": ["rope"]}).chains
@@ -29,8 +29,9 @@ SANA_NAME: Final = "sana_block_fusion"
 WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry")
 #: SANA-Video chains: ``modulate``, ``gated_residual``, ``cross_residual`` as for Wan (rounded per operation, as
 #: eager's bfloat16 arithmetic), ``linear_attention`` (ReLU + rotary + float casts of Q/K/V, and the final
-#: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor).
-SANA_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "linear_attention")
+#: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor), ``glu`` (the
+#: feed-forward's gated SiLU ``h * silu(gate)`` over the two halves of the depthwise convolution's output).
+SANA_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "linear_attention", "glu")
 
 
 @dataclass(frozen=True)

@@ -36,19 +36,26 @@ class BlockPlan:
     family: str
     blocks: tuple[tuple[str, nn.Module], ...]
     replace_processor: bool
+    #: the blocks' feed-forward forwards are replaced too (SANA-Video's ``glu`` chain)
+    replace_ff: bool = False
 
     def claims(self) -> frozenset[str]:
         return frozenset(path for path, _ in self.blocks)
 
 
 def plan_blocks(model: nn.Module, opts: PluginOptions, *, name: str, family: str, block_class: type,
-                processor_class: type, replace_processor: bool) -> BlockPlan:
+                processor_class: type, replace_processor: bool, ff_class: type | None = None) -> BlockPlan:
     """Select and check the blocks ``opts`` asks for; change nothing.
+
+    Args:
+        ff_class: when given, every block's ``ff`` must be exactly this class (its forward is replaced).
 
     Raises:
         AccelerationRefusedError: another model family; compiled / CUDA-graph / sequence-parallel / hooked /
             training model; a block of another class, with a replaced forward or forward hooks; a self-attention
-            processor that is not diffusers' stock one (when the processor is replaced).
+            processor that is not diffusers' stock one (when the processor is replaced); a feed-forward of
+            another class, with a replaced forward, hooks or a nonlinearity that is not ``nn.SiLU`` (when
+            ``ff_class`` is given).
         AccelerationOptionsError: a block index the model does not have.
     """
     fam = family_of(model, plugin=name)
@@ -80,8 +87,27 @@ def plan_blocks(model: nn.Module, opts: PluginOptions, *, name: str, family: str
                     name, f"{path}.attn1 uses the custom attention processor {type(attn.processor).__name__}; "
                           f"{name} replaces only {processor_class.__name__} (restore it, or drop the processor chain)")
             named.append((f"{path}.attn1", attn))
+        if ff_class is not None:
+            named.extend(_check_ff(block, path, ff_class, name))
         refuse_module_hooks(named, name)
-    return BlockPlan(name, family, chosen, replace_processor)
+    return BlockPlan(name, family, chosen, replace_processor, replace_ff=ff_class is not None)
+
+
+def _check_ff(block: nn.Module, path: str, ff_class: type, name: str) -> list[tuple[str, nn.Module]]:
+    """Refuse a feed-forward whose forward cannot be replaced; returns it and its nonlinearity (hooks checked)."""
+    ff = getattr(block, "ff", None)
+    if type(ff) is not ff_class:
+        raise AccelerationRefusedError(name, f"{path}.ff is a {type(ff).__name__}, not diffusers' "
+                                             f"{ff_class.__name__} whose forward the glu chain reproduces "
+                                             "(drop the glu chain)")
+    if "forward" in vars(ff):
+        owners = patch_names(vars(ff)["forward"]) or ["an unknown wrapper"]
+        raise AccelerationRefusedError(name, f"{path}.ff.forward is already replaced (by {', '.join(owners)}); "
+                                             "remove that first, or drop the glu chain")
+    if type(ff.nonlinearity) is not nn.SiLU:
+        raise AccelerationRefusedError(name, f"{path}.ff.nonlinearity is a {type(ff.nonlinearity).__name__}, not "
+                                             "nn.SiLU (drop the glu chain)")
+    return [(f"{path}.ff", ff), (f"{path}.ff.nonlinearity", ff.nonlinearity)]
 
 
 def kernel_note() -> str:
@@ -95,7 +121,8 @@ def kernel_note() -> str:
 
 def activate_plan(plan: BlockPlan, opts: PluginOptions, runtime_factory: Callable[[FusionCounters], Any]
                   ) -> BlockFusionHandle:
-    """Wrap every planned block's forward (and replace its ``attn1`` processor); undone on failure part-way."""
+    """Wrap every planned block's forward (and replace its ``attn1`` processor, wrap its ``ff`` forward);
+    undone on failure part-way."""
     counters = FusionCounters(ExecutionLedger(plan.name))
     runtime = runtime_factory(counters)
     if torch.cuda.is_available():  # the kernels will compile: prepare Triton's compiler in the background
@@ -108,6 +135,8 @@ def activate_plan(plan: BlockPlan, opts: PluginOptions, runtime_factory: Callabl
             if plan.replace_processor:
                 attn = block.attn1
                 recorder.setattr(attn, "processor", runtime.make_processor(attn.processor, path))
+            if plan.replace_ff:
+                recorder.wrap_forward(block.ff, runtime.make_ff_forward(block.ff, path), name=plan.name)
         handle.patches = recorder.pop_all()
     logger.debug("%s active on %d block(s)", plan.name, len(plan.blocks))
     return handle

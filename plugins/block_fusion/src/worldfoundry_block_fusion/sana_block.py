@@ -13,6 +13,8 @@ chain                  eager                                                    
 ``cross_residual``     ``attn2(x) + x``                                                1 kernel
 ``linear_attention``   ``relu`` of Q/K, rotary of both, three float casts; then         1 kernel; and 1 kernel
                        ``z = 1 / (t + 1e-15)``, ``hidden * z``, the cast
+``glu``                the feed-forward's ``h * silu(gate)`` over the chunked halves     1 kernel
+                       of ``conv_depth``'s output (:mod:`.sana_ffn`)
 =====================  ==============================================================  =======================
 
 A chain whose operands do not fit (a non-contiguous residual stream: the first block receives the patch embedding's
@@ -38,11 +40,13 @@ from worldfoundry_block_fusion.eligibility import REASON_GRAD, modulation_reason
 from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
     GATED_RESIDUAL,
+    GLU,
     LINEAR_ATTENTION,
     MODULATE,
     BlockCounts,
     FusionCounters,
 )
+from worldfoundry_block_fusion.sana_ffn import make_ff_forward, precompile_glu
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +64,28 @@ class SanaBlockRuntime:
         self.gate = "gated_residual" in chains
         self.cross = "cross_residual" in chains
         self.linear_attention = "linear_attention" in chains
+        self.glu = "glu" in chains
         self._counts: dict[str, BlockCounts] = {}
         #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
         self.precompiled = False
 
+    def block_counts(self, path: str) -> BlockCounts:
+        """The plain counters of the block at ``path`` (one per block, shared by its forward, processor and FFN)."""
+        counts = self._counts.get(path)
+        if counts is None:
+            counts = self._counts[path] = self.counters.block(path)
+        return counts
+
+    @staticmethod
+    def glu_fused(counts: list[int]) -> None:
+        counts[GLU] += 1
+
+    def make_ff_forward(self, ff: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The wrapper factory of the block's feed-forward (``GLUMBTempConv``) forward (the ``glu`` chain)."""
+        return make_ff_forward(self, ff, path)
+
     def make_block_forward(self, block: nn.Module, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        counts = self.counters.block(path)
-        self._counts[path] = counts
+        counts = self.block_counts(path)
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -92,7 +111,7 @@ class SanaBlockRuntime:
                 if rid != counts.rid:
                     self.counters.switch(counts, rid)
                 if not self.precompiled:
-                    self.precompile(block, hidden_states, emb, rotary_emb)
+                    self.precompile(block, hidden_states, emb, rotary_emb, frames, height, width)
                 return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states,
                                           encoder_attention_mask, emb, frames, height, width, rotary_emb)
 
@@ -100,7 +119,8 @@ class SanaBlockRuntime:
 
         return make
 
-    def precompile(self, block: nn.Module, x: torch.Tensor, emb: torch.Tensor, rotary_emb: Any) -> None:
+    def precompile(self, block: nn.Module, x: torch.Tensor, emb: torch.Tensor, rotary_emb: Any,
+                   frames: int | None = None, height: int | None = None, width: int | None = None) -> None:
         """Compile the kernel variants of :meth:`block_forward` and the processor concurrently, before they run.
 
         The fused calls are issued on uninitialised contiguous tensors of the geometry the block's own calls will
@@ -129,6 +149,8 @@ class SanaBlockRuntime:
                         hidden = torch.empty((bsz, heads, c // heads, s), dtype=torch.float32, device=x.device)
                         denom = torch.empty((bsz, heads, 1, s), dtype=x.dtype, device=x.device)
                         sana_normalize(hidden, denom, x.dtype)
+                if self.glu and getattr(block, "ff", None) is not None:
+                    precompile_glu(block.ff, x, frames, height, width, self.min_tokens)
         except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
             logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
                            type(exc).__name__, exc)
@@ -200,7 +222,7 @@ class SanaFusedLinearAttnProcessor:
         self.original = original
         self.runtime = runtime
         self.path = path
-        self.counts = runtime._counts[path]
+        self.counts = runtime.block_counts(path)
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,13 +25,14 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy 
     """Validate ``options`` against ``model``; change nothing.
 
     Claims every fused block (``transformer_blocks.<i>``); with ``linear_attention`` its ``attn1`` processor is
-    replaced too.
+    replaced too, with ``glu`` its feed-forward's (``GLUMBTempConv``) forward.
 
     Raises:
         AccelerationOptionsError: unknown/invalid options.
         AccelerationRefusedError: see :func:`~worldfoundry_block_fusion.planning.plan_blocks`.
     """
     from diffusers.models.transformers.transformer_sana_video import (
+        GLUMBTempConv,
         SanaLinearAttnProcessor3_0,
         SanaVideoTransformerBlock,
     )
@@ -39,7 +40,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy 
     opts = SanaOptions.from_mapping(options)
     plan = plan_blocks(model, opts, name=SANA_NAME, family="sana_video", block_class=SanaVideoTransformerBlock,
                        processor_class=SanaLinearAttnProcessor3_0,
-                       replace_processor="linear_attention" in opts.chains)
+                       replace_processor="linear_attention" in opts.chains,
+                       ff_class=GLUMBTempConv if "glu" in opts.chains else None)
     return PreparedAcceleration(
         name=SANA_NAME,
         claims=plan.claims(),
@@ -48,7 +50,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy 
         options=opts.to_json(),
         exact=True,
         notes=(f"fused chains: {', '.join(sorted(opts.chains))}; LayerNorm/RMSNorm, the key sum, matmuls, "
-               "convolutions and the GLU stay torch calls",
+               "convolutions and the feed-forward's first SiLU stay torch calls",
                "bitwise to eager: the same operations, rounded per operation as eager's bfloat16 arithmetic",
                kernel_note()),
     )
