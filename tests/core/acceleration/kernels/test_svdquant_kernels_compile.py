@@ -79,3 +79,29 @@ def test_the_automatic_choice_reads_wide_rows_in_two_passes(monkeypatch):
     assert int8_act_quant._launch_shape(1536)["SINGLE_PASS"] is True
     assert int8_act_quant._launch_shape(8960)["SINGLE_PASS"] is False
     assert int8_act_quant._launch_shape(8960, single_pass=True)["SINGLE_PASS"] is True
+
+
+CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"PACKS": "constexpr"}
+
+
+def _loop_body(ttgir: str) -> list[str]:
+    lines = ttgir.splitlines()
+    start = next(i for i, line in enumerate(lines) if "scf.for" in line)
+    end = next(i for i in range(start, len(lines)) if "scf.yield" in lines[i])
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("swap,packs", [(True, 1), (False, 1), (True, 2)])
+def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swap, packs):
+    from worldfoundry.core.acceleration.kernels import w4a8_channel_gemm
+
+    consts = {"RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128, "BLOCK_N": 128,
+              "GROUP_M": 8, "WIDEN": False, "ASM": True, "PACKS": packs}
+    kernel = triton.compile(ASTSource(fn=w4a8_channel_gemm._w4a8_channel_kernel, signature=CHANNEL_SIGNATURE,
+                                      constexprs=consts, attrs=ALIGNED),
+                            target=HOPPER, options={"num_warps": 8, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx) and "cp.async" in ptx and "0xF0F0F0F0" in ptx
+    body = "\n".join(_loop_body(kernel.asm["ttgir"]))
+    assert "warp_group_dot" in body and "xi32" in body
+    assert not re.search(r"arith\.(mulf|addf|sitofp)", body)  # no float work in the main loop
