@@ -81,7 +81,7 @@ def test_the_automatic_choice_reads_wide_rows_in_two_passes(monkeypatch):
     assert int8_act_quant._launch_shape(8960, single_pass=True)["SINGLE_PASS"] is True
 
 
-CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"PACKS": "constexpr"}
+CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"BLOCK_K": "constexpr"}
 
 
 def _loop_body(ttgir: str) -> list[str]:
@@ -91,12 +91,12 @@ def _loop_body(ttgir: str) -> list[str]:
     return lines[start:end]
 
 
-@pytest.mark.parametrize("swap,packs", [(True, 1), (False, 1), (True, 2)])
-def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swap, packs):
+@pytest.mark.parametrize("swap,block_k", [(True, 128), (False, 128), (True, 256)])
+def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swap, block_k):
     from worldfoundry.core.acceleration.kernels import w4a8_channel_gemm
 
     consts = {"RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128, "BLOCK_N": 128,
-              "GROUP_M": 8, "WIDEN": False, "ASM": True, "PACKS": packs}
+              "GROUP_M": 8, "WIDEN": False, "ASM": True, "BLOCK_K": block_k}
     kernel = triton.compile(ASTSource(fn=w4a8_channel_gemm._w4a8_channel_kernel, signature=CHANNEL_SIGNATURE,
                                       constexprs=consts, attrs=ALIGNED),
                             target=HOPPER, options={"num_warps": 8, "num_stages": 3})
@@ -105,3 +105,5 @@ def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swa
     body = "\n".join(_loop_body(kernel.asm["ttgir"]))
     assert "warp_group_dot" in body and "xi32" in body
     assert not re.search(r"arith\.(mulf|addf|sitofp)", body)  # no float work in the main loop
+    assert body.count("ttng.warp_group_dot ") == 1  # one dot per K step (paired codes interleaved by join)
+    assert "convert_layout" not in body  # the interleave moves no data

@@ -132,11 +132,11 @@ def test_per_channel_round_trip_and_errors(tmp_path):
     assert info.value.field == "group_size"
     from worldfoundry.errors import QuantizationInputError
 
-    small = _model()  # 64 input features: not a multiple of the 128-wide per-channel packing block
+    small = _model()  # 64 input features: not a multiple of the per-channel K step (128)
     sel = select_for_calibration(small, ["0"])
     with InputAbsmaxObserver(sel) as obs2:
         small(torch.randn(3, 64))
-    with pytest.raises(QuantizationInputError, match="per-channel packing block 128"):
+    with pytest.raises(QuantizationInputError, match="per-channel K step 128"):
         build_svdquant_artifact(small, sel, obs2.absmax, rank=4, group_size=0, observer=obs2)
 
 

@@ -46,7 +46,7 @@ from worldfoundry.core.acceleration.kernels.w4a8_channel_gemm import (
 )
 from worldfoundry.core.acceleration.kernels.w4a8_tiles import grid_for, split_launch_options
 from worldfoundry.core.acceleration.kernels.w4a8_tuning import choose_config, measured_config
-from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL, SCALE_GROUPINGS, pack_block
+from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL, SCALE_GROUPINGS, k_multiple
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import QuantizationInputError
 
@@ -120,7 +120,7 @@ if TRITON_AVAILABLE:
     def _w4a16_kernel(x_ptr, inv_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
                       GROUP: tl.constexpr, RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_LR: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                      WIDEN: tl.constexpr, SCALE_STEP: tl.constexpr = 1):
+                      WIDEN: tl.constexpr, PAIRED: tl.constexpr = False):
         offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = offs_m < M
         nmask = offs_n < N
@@ -131,14 +131,16 @@ if TRITON_AVAILABLE:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for g in range(0, K // GROUP):
             k0 = g * GROUP
-            s = tl.load(ws_ptr + g * SCALE_STEP * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # grouped codes: byte j = (k0 + j, k0 + HALF + j); per channel (PAIRED): (k0 + 2j, k0 + 2j + 1)
+            ka = k0 + kh * 2 if PAIRED else k0 + kh
+            kb = ka + 1 if PAIRED else ka + HALF
+            s = tl.load(ws_ptr + (0 if PAIRED else g * N) + offs_n, mask=nmask, other=0.0).to(tl.float32)
             p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
-            xa = tl.load(x_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-            xb = tl.load(x_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None],
-                         other=0.0).to(tl.float32)
+            xa = tl.load(x_ptr + x_rows[:, None] + ka[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + x_rows[:, None] + kb[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
             if HAS_SMOOTH:
-                xa = xa * tl.load(inv_ptr + k0 + kh)[None, :]
-                xb = xb * tl.load(inv_ptr + k0 + HALF + kh)[None, :]
+                xa = xa * tl.load(inv_ptr + ka)[None, :]
+                xb = xb * tl.load(inv_ptr + kb)[None, :]
             lo = (_low_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             hi = (_high_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             acc = tl.dot(_widen(xa.to(tl.bfloat16), WIDEN), _widen(lo, WIDEN), acc)
@@ -174,7 +176,7 @@ if TRITON_AVAILABLE:
         for c in (_config(128, 128, 8, 4), _config(128, 256, 8, 3), _config(256, 128, 8, 3), _config(64, 128, 4, 4))
     ]
     _w4a16_tuned = triton.autotune(configs=W4A16_CONFIGS, key=["M", "N", "K", "GROUP", "HAS_LR", "HAS_BIAS",
-                                                                 "HAS_SMOOTH", "SCALE_STEP"])(_w4a16_kernel)
+                                                                 "HAS_SMOOTH", "PAIRED"])(_w4a16_kernel)
 
 
 def _check_operands(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> tuple[int, bool]:
@@ -293,9 +295,9 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     inv = weight.inv_smooth
     args = (x2d, inv if inv is not None else out, weight.qweight, weight.scales, t if has_lr else out,
             weight.lora_up if has_lr else out, bias if bias is not None else out, out, m, n, k, x2d.stride(0))
-    flags = dict(GROUP=pack_block(weight.group_size), RANK=rank, HAS_SMOOTH=inv is not None, HAS_LR=has_lr,
+    flags = dict(GROUP=k_multiple(weight.group_size), RANK=rank, HAS_SMOOTH=inv is not None, HAS_LR=has_lr,
                  HAS_BIAS=bias is not None, WIDEN=x2d.device.type != "cuda",
-                 SCALE_STEP=0 if weight.group_size == PER_CHANNEL else 1)
+                 PAIRED=weight.group_size == PER_CHANNEL)
     if config is None and not interpreter_enabled():
         _w4a16_tuned[lambda meta: grid_for(m, n, meta)](*args, **flags)
         return out

@@ -14,12 +14,14 @@ computed with. Scales are stored transposed, ``[K / G, N]``, so a kernel reads o
 of output features contiguously.
 
 **Per output channel** (``group_size = 0``, :data:`PER_CHANNEL`): one scale per output feature for the whole
-``K`` (scales ``[1, N]``, the group max taken over the row). The codes are then packed in blocks of
-:data:`CHANNEL_PACK_BLOCK` (128) input features with the same layout as group 128, so ``K`` must be a multiple of
-128. With one scale for all of ``K`` a W4A8 GEMM sums the whole ``K`` in one int32 accumulator and scales once in
-its epilogue.
+``K`` (scales ``[1, N]``, the max taken over the row), ``K`` a multiple of :data:`CHANNEL_K_MULTIPLE` (128, the
+GEMM's K step). With one scale for all of ``K`` a W4A8 GEMM sums the whole ``K`` in one int32 accumulator and
+scales once in its epilogue. Its codes are packed *in pairs*: byte ``j`` of row ``n`` holds ``q[n, 2j]`` in its
+low nibble and ``q[n, 2j + 1]`` in its high nibble, so a kernel unpacks a ``[N, B/2]`` byte tile into the two
+nibble tiles and interleaves them (``join`` + ``reshape``, no data movement) into one ``[N, B]`` operand in K
+order -- one dot product per K step.
 
-Packed layout (``int8 [N, K / 2]``): within each group (packing block), byte ``j`` (``0 <= j < G / 2``) of row ``n`` holds
+Packed layout of group-wise codes (``int8 [N, K / 2]``): within each group, byte ``j`` (``0 <= j < G / 2``) of row ``n`` holds
 ``q[n, g*G + j]`` in its low nibble and ``q[n, g*G + G/2 + j]`` in its high nibble (two's complement). A kernel
 therefore unpacks a group with two shifts, ``lo = (b << 4) >> 4`` and ``hi = b >> 4`` (arithmetic), and
 multiplies the two halves of the group with two dot products -- no interleaving in registers.
@@ -48,16 +50,16 @@ GROUP_SIZES: Final = (64, 128)
 PER_CHANNEL: Final = 0
 #: Every accepted ``group_size``: per channel, 64, 128.
 SCALE_GROUPINGS: Final = (PER_CHANNEL, *GROUP_SIZES)
-#: Packing block (input features) of per-channel weights.
-CHANNEL_PACK_BLOCK: Final = 128
+#: ``K`` of per-channel weights is a multiple of this (the per-channel GEMM's K step).
+CHANNEL_K_MULTIPLE: Final = 128
 #: Largest code magnitude used by the scale (codes span [-8, 7]; the scale maps the group max to 7).
 INT4_MAX: Final = 7
 INT4_MIN: Final = -8
 
 
-def pack_block(group_size: int) -> int:
-    """Input features per packing block: the group size, or :data:`CHANNEL_PACK_BLOCK` per channel."""
-    return CHANNEL_PACK_BLOCK if group_size == PER_CHANNEL else group_size
+def k_multiple(group_size: int) -> int:
+    """What ``K`` must be a multiple of: the group size, or :data:`CHANNEL_K_MULTIPLE` per channel."""
+    return CHANNEL_K_MULTIPLE if group_size == PER_CHANNEL else group_size
 
 
 def scale_groups(in_features: int, group_size: int) -> int:
@@ -74,9 +76,9 @@ def _check_group(k: int, group_size: int, what: str) -> None:
     if isinstance(group_size, bool) or group_size not in SCALE_GROUPINGS:
         raise QuantizationInputError(
             f"{what}: group_size must be 0 (per output channel), 64 or 128, got {group_size!r}")
-    block = pack_block(group_size)
+    block = k_multiple(group_size)
     if k % block:
-        what_block = "the per-channel packing block" if group_size == PER_CHANNEL else "group_size"
+        what_block = "the per-channel K step" if group_size == PER_CHANNEL else "group_size"
         raise QuantizationInputError(f"{what}: in_features {k} is not a multiple of {what_block} {block}")
 
 
@@ -129,9 +131,11 @@ def pack_int4(codes: torch.Tensor, group_size: int) -> torch.Tensor:
     _check_group(k, group_size, "pack_int4")
     if codes.numel() and (int(codes.min()) < INT4_MIN or int(codes.max()) > INT4_MAX):
         raise QuantizationInputError("pack_int4: codes must lie in [-8, 7]")
-    block = pack_block(group_size)
-    half = block // 2
-    grouped = codes.reshape(n, k // block, block)
+    if group_size == PER_CHANNEL:
+        pairs = codes.reshape(n, k // 2, 2)
+        return ((pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)).contiguous()
+    half = group_size // 2
+    grouped = codes.reshape(n, k // group_size, group_size)
     lo, hi = grouped[..., :half], grouped[..., half:]
     packed = (lo & 0x0F) | (hi << 4)  # int8 arithmetic: hi << 4 wraps into the high nibble
     return packed.reshape(n, k // 2).contiguous()
@@ -144,9 +148,10 @@ def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k_half = packed.shape
     k = 2 * k_half
     _check_group(k, group_size, "unpack_int4")
-    block = pack_block(group_size)
-    half = block // 2
-    grouped = packed.reshape(n, k // block, half)
+    if group_size == PER_CHANNEL:
+        return torch.stack([(packed << 4) >> 4, packed >> 4], dim=-1).reshape(n, k)
+    half = group_size // 2
+    grouped = packed.reshape(n, k // group_size, half)
     lo = (grouped << 4) >> 4
     hi = grouped >> 4
     return torch.cat([lo, hi], dim=-1).reshape(n, k)
@@ -163,12 +168,12 @@ def dequantize_int4_groupwise(packed: torch.Tensor, scales: torch.Tensor, group_
 
 
 __all__ = [
-    "CHANNEL_PACK_BLOCK",
+    "CHANNEL_K_MULTIPLE",
     "GROUP_SIZES",
     "PER_CHANNEL",
     "SCALE_GROUPINGS",
     "describe_grouping",
-    "pack_block",
+    "k_multiple",
     "scale_groups",
     "INT4_MAX",
     "INT4_MIN",

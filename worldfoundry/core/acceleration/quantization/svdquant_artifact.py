@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.acceleration.quantization.int4_packing import SCALE_GROUPINGS, pack_block, scale_groups
+from worldfoundry.core.acceleration.quantization.int4_packing import SCALE_GROUPINGS, k_multiple, scale_groups
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import ArtifactFormatError
 
@@ -137,8 +137,8 @@ def check_manifest(manifest: Any, file: str) -> dict[str, LinearEntry]:
         k = _int(file, f"{where}.in_features", rec.get("in_features"), 1)
         n = _int(file, f"{where}.out_features", rec.get("out_features"), 1)
         r = _int(file, f"{where}.rank", rec.get("rank"), 0, min(k, n))
-        if k % pack_block(group):
-            raise _fail(file, f"{where}.in_features", f"{k} is not a multiple of {pack_block(group)} "
+        if k % k_multiple(group):
+            raise _fail(file, f"{where}.in_features", f"{k} is not a multiple of {k_multiple(group)} "
                         f"(group_size {group})")
         smoothed = rec.get("smoothed")
         if not isinstance(smoothed, bool):
