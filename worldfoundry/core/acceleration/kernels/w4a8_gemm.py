@@ -203,15 +203,18 @@ def _launch_grouped(args: tuple[Any, ...], flags: dict[str, Any], config: dict[s
     _w4a8_kernel[grid_for(m, n, cfg)](*args, **run_flags, **cfg, num_warps=warps, num_stages=stages)
 
 
+def tile_key(weight: SVDQuantWeight, has_lr: bool, has_bias: bool, asm: bool) -> tuple[Any, ...]:
+    """Shape key of the tile choice (:mod:`.w4a8_tuning` adds the device and the ``M`` bucket)."""
+    kernel = "w4a8_channel" if weight.group_size == PER_CHANNEL else "w4a8"
+    return (kernel, weight.group_size, weight.out_features, weight.in_features, has_lr, has_bias, asm)
+
+
 def w4a8_tile(q: torch.Tensor, weight: SVDQuantWeight, launch: Any, flags: dict[str, Any]) -> dict[str, Any]:
     """The tile :func:`triton_w4a8_gemm` runs for this call on CUDA (:mod:`.w4a8_tuning`; may time candidates)."""
     m, k = q.shape
-    n = weight.out_features
-    channel = weight.group_size == PER_CHANNEL
-    kernel = "w4a8_channel" if channel else "w4a8"
-    key = (kernel, weight.group_size, n, k, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"])
-    candidates = channel_candidates(k) if channel else W4A8_CONFIGS
-    measured = measured_config(q.device, kernel, weight.group_size, n, k, m)
+    key = tile_key(weight, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"])
+    candidates = channel_candidates(k) if weight.group_size == PER_CHANNEL else W4A8_CONFIGS
+    measured = measured_config(q.device, key[0], weight.group_size, weight.out_features, k, m)
     return choose_config(key, q.device, m, candidates, launch, measured)
 
 
@@ -309,4 +312,4 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     return out
 
 
-__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "triton_w4a16_gemm", "triton_w4a8_gemm", "w4a8_tile"]
+__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "triton_w4a16_gemm", "tile_key", "triton_w4a8_gemm", "w4a8_tile"]

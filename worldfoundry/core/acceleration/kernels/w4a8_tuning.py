@@ -107,7 +107,7 @@ def choose_config(key: tuple[Any, ...], device: torch.device, m: int, candidates
     full = (str(device), *key, _bucket(m))
     if full in _CHOSEN:
         return dict(_CHOSEN[full])
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return dict(measured or candidates[0])
     if measured is not None:
         _CHOSEN[full] = dict(measured)
@@ -129,9 +129,15 @@ def choose_config(key: tuple[Any, ...], device: torch.device, m: int, candidates
     return dict(best)
 
 
+def chosen_config(device: torch.device, key: tuple[Any, ...], m: int) -> dict[str, Any] | None:
+    """What this process chose for ``key`` at ``m`` rows on ``device`` (``None`` before the first call)."""
+    found = _CHOSEN.get((str(device), *key, _bucket(m)))
+    return None if found is None else dict(found)
+
+
 def chosen_configs() -> dict[str, dict[str, Any]]:
     """What this process chose so far, by key (for benchmark records)."""
     return {repr(k): dict(v) for k, v in _CHOSEN.items()}
 
 
-__all__ = ["MEASURED_CONFIGS", "TABLE_MIN_M", "choose_config", "chosen_configs", "measured_config"]
+__all__ = ["MEASURED_CONFIGS", "TABLE_MIN_M", "choose_config", "chosen_config", "chosen_configs", "measured_config"]
