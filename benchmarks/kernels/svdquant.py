@@ -32,6 +32,8 @@ Usage::
     python benchmarks/kernels/svdquant.py --skip forward_w81 memory_14b --out "$OUT"   # per-Linear, H200 <= 4 min
     python benchmarks/kernels/svdquant.py --out "$OUT"           # + W81 forward and 14B memory
     python benchmarks/kernels/svdquant.py --smoke --out /tmp/sq   # CPU plumbing check (torch reference)
+    TRITON_INTERPRET=1 python benchmarks/kernels/svdquant.py --smoke --interpret --skip forward_w81 memory_14b \
+        --out /tmp/sq                                             # the kernel rows under the interpreter
 """
 
 from __future__ import annotations
@@ -123,8 +125,9 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
     w, b, x = _linear_inputs(device, m, k, n)
     sq = pad_rank(decompose(w, rank=args.rank, group_size=group, act_absmax=x.float().abs().amax(0), svd="randomized"))
     rtn = decompose(w, rank=0, group_size=group)
-    backend = "w4a8" if device.type == "cuda" else "reference"
-    q, s = quantize_rows_int8(x, sq.inv_smooth) if device.type != "cuda" else triton_quantize_rows_int8(x, sq.inv_smooth)
+    kernels = device.type == "cuda" or args.interpret
+    backend = "w4a8" if kernels else "reference"
+    q, s = triton_quantize_rows_int8(x, sq.inv_smooth) if kernels else quantize_rows_int8(x, sq.inv_smooth)
     t = lowrank_down(x, sq)
     out, used = svdquant_linear(x, sq, b, backend=backend)
     entry: dict[str, Any] = {"shape": {"M": m, "K": k, "N": n}, "mode": mode, "group_size": group, "rank": args.rank,
@@ -137,16 +140,15 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
         "bf16 F.linear": lambda: F.linear(x, w, b),
         TOTAL: lambda: svdquant_linear(x, sq, b, backend=backend),
     }
-    if device.type == "cuda":
+    if kernels:
         calls["w4a8 GEMM only"] = lambda: triton_w4a8_gemm(q, s, sq, t, b)
         calls["int8 act quant only"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth)
         calls["low-rank down x.D^T only"] = lambda: lowrank_down(x, sq)
         calls["w4a8 rank 0 (quant + GEMM)"] = lambda: svdquant_linear(x, rtn, b, backend="w4a8")
-        if mode == "channel":  # the quantizer does not depend on the mode: its variants timed once per shape
-            calls["int8 act quant two-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=False)
-            if k <= 16384:
-                calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth,
-                                                                                        single_pass=True)
+        calls[TOTAL_SEPARATE] = lambda: svdquant_linear(x, sq, b, backend="w4a8", fused_lowrank=False)
+        calls[TOTAL_FUSED] = lambda: svdquant_linear(x, sq, b, backend="w4a8", fused_lowrank=True)
+        if mode == args.modes[0]:  # the quantizers do not depend on the mode: their variants timed once per shape
+            calls.update(_quantizer_variants(x, sq, q, s, entry))
         calls.update(_gemm_sweep(q, s, sq, t, b, entry, args))
         if args.with_w4a16:
             calls["svdquant w4a16"] = lambda: svdquant_linear(x, sq, b, backend="w4a16")
@@ -161,6 +163,33 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
 
 
 TOTAL = "svdquant w4a8 (quant + low-rank + GEMM)"
+TOTAL_SEPARATE = "w4a8 total, separate quant + low-rank"
+TOTAL_FUSED = "w4a8 total, fused quant + low-rank"
+FUSED_PREFIX = "fused quant + low-rank down only, rows "
+
+
+def _quantizer_variants(x: torch.Tensor, sq: Any, q: torch.Tensor, s: torch.Tensor,
+                        entry: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Both passes of the INT8 quantizer and the fused quantizer + low-rank down at 16/32/64 rows per program
+    (codes checked bitwise against the two-pass quantizer's, ``t`` within one bf16 ulp of max of the GEMM's)."""
+    from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+
+    k = x.shape[1]
+    calls: dict[str, Callable[[], Any]] = {
+        "int8 act quant two-pass": lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=False)}
+    if k <= 16384:
+        calls["int8 act quant single-pass"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth, single_pass=True)
+    t_ref = lowrank_down(x, sq).float()
+    checks = {}
+    for rows in (16, 32, 64):
+        qf, sf, tf = triton_quantize_rows_int8_lowrank(x, sq.inv_smooth, sq.lora_down, block_m=rows)
+        checks[rows] = {"codes_bitwise": bool(torch.equal(qf, q) and torch.equal(sf, s)),
+                        "t_max_abs_in_ulps_of_max": float((tf.float() - t_ref).abs().max()
+                                                          / (ULP_TOL * t_ref.abs().max()))}
+        calls[f"{FUSED_PREFIX}{rows}"] = lambda rows=rows: triton_quantize_rows_int8_lowrank(
+            x, sq.inv_smooth, sq.lora_down, block_m=rows)
+    entry["fused_quant_lowrank_checks"] = checks
+    return calls
 
 
 def _summarize(entry: dict[str, Any]) -> None:
@@ -169,6 +198,8 @@ def _summarize(entry: dict[str, Any]) -> None:
     winner, chosen = entry["gemm_sweep_winner"], timing.get("w4a8 GEMM only")
     if winner and chosen:
         entry["chosen_within_3pct_of_fastest"] = chosen["median_ms"] <= 1.03 * winner["median_ms"]
+    if TOTAL_SEPARATE in timing and TOTAL_FUSED in timing:
+        entry["fused_quant_lowrank_faster"] = timing[TOTAL_FUSED]["median_ms"] < timing[TOTAL_SEPARATE]["median_ms"]
     entry["goals"] = {"speed_ge_1.2x": timing[TOTAL]["paired_speedup_median"] >= 1.2,
                       "bytes_ge_3.5x_smaller": entry["device_bytes"]["ratio"] >= 3.5}
 
@@ -402,7 +433,8 @@ def _row(case: dict[str, Any]) -> str:
     s = case["shape"]
     rel = case["rel_l2_vs_bf16"]
     return (f"{s['K']:>5}->{s['N']:<5} {case['mode']:<8} {get('bf16 F.linear'):7.3f} {total['median_ms']:7.3f} "
-            f"{total['paired_speedup_median']:6.3f}x {get('w4a8 GEMM only'):7.3f} {get('int8 act quant only'):7.3f} "
+            f"{total['paired_speedup_median']:6.3f}x {get(TOTAL_SEPARATE):7.3f} {get(TOTAL_FUSED):7.3f} "
+            f"{get('w4a8 GEMM only'):7.3f} {get('int8 act quant only'):7.3f} "
             f"{get('low-rank down x.D^T only'):7.3f} {get('anchor fp8 _scaled_mm only'):7.3f} "
             f"{rel['w4a8']:7.4f} ({rel['rtn_w4a8_reference']:.4f}) {case['device_bytes']['ratio']:5.2f}x "
             f"{'yes' if case['goals']['speed_ge_1.2x'] else 'no':>4}")
@@ -437,7 +469,9 @@ def print_tables(data: dict[str, Any]) -> None:
     if cases:
         print("\n== per-Linear at W81 FFN shapes, M = %d, rank %d (median ms; speedup paired vs bf16; goal >= 1.2x) =="
               % (cases[0]["shape"]["M"], cases[0]["rank"]))
-        print(f"{'Linear':<11} {'mode':<8} {'bf16':>7} {'total':>7} {'speedup':>7} {'GEMM':>7} {'quant':>7} "
+        print("total = as the plugin runs it; sep / fused = quantizer and low-rank down separate / in one kernel")
+        print(f"{'Linear':<11} {'mode':<8} {'bf16':>7} {'total':>7} {'speedup':>7} {'sep':>7} {'fused':>7} "
+              f"{'GEMM':>7} {'quant':>7} "
               f"{'lowrank':>7} {'fp8 mm':>7} {'relL2 (RTN)':>16} {'bytes':>6} {'goal':>4}")
         for case in cases:
             print(_row(case))
@@ -447,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "./bench_out"), help="directory for svdquant.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch reference)")
+    p.add_argument("--interpret", action="store_true",
+                   help="with --smoke and TRITON_INTERPRET=1: run the Triton kernels' rows on the CPU (plumbing only)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32760)
     p.add_argument("--rounds", type=int, default=7)

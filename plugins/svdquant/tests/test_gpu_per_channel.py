@@ -80,3 +80,19 @@ def test_plugin_runs_a_per_channel_artifact_on_cuda(kit, tmp_path):
     session.uninstall()
     with torch.inference_mode():
         assert torch.equal(model(**inputs, return_dict=False)[0], dense)
+
+
+@pytest.mark.parametrize("k", [1536, 8960])
+def test_fused_quant_lowrank_at_w81_widths(k):
+    from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(32760, k, generator=g, device="cuda").to(torch.bfloat16)
+    inv = torch.rand(k, generator=g, device="cuda") + 0.5
+    down = (torch.randn(32, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    q_ref, s_ref = triton_quantize_rows_int8(x, inv)
+    t_ref = torch.nn.functional.linear(x, down).float()
+    for rows in (16, 32, 64):
+        q, s, t = triton_quantize_rows_int8_lowrank(x, inv, down, block_m=rows)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+        assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()

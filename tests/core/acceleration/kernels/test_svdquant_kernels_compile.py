@@ -107,3 +107,19 @@ def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swa
     assert not re.search(r"arith\.(mulf|addf|sitofp)", body)  # no float work in the main loop
     assert body.count("ttng.warp_group_dot ") == 1  # one dot per K step (paired codes interleaved by join)
     assert "convert_layout" not in body  # the interleave moves no data
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m):
+    from worldfoundry.core.acceleration.kernels import int8_quant_lowrank
+
+    sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
+           "M": "i32", "K": "i32", "stride_xm": "i32",
+           **dict.fromkeys(["RANK", "HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "WIDEN"], "constexpr")}
+    consts = {"RANK": 32, "HAS_SMOOTH": True, "BLOCK_M": block_m, "BLOCK_K": 256, "WIDEN": False}
+    kernel = triton.compile(ASTSource(fn=int8_quant_lowrank._int8_lowrank_kernel, signature=sig, constexprs=consts,
+                                      attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
+                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert "fma.rn.f32" not in ptx  # x * rcp rounds before the rounding addition
+    assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)  # the low-rank dot on tensor cores
