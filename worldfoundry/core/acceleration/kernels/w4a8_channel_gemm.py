@@ -96,7 +96,8 @@ def _cfg(bm: int, bn: int, swap: bool, warps: int, stages: int, block_k: int = 1
 CHANNEL_CONFIGS: Final = [
     _cfg(128, 128, True, 8, 4), _cfg(128, 128, True, 8, 3), _cfg(128, 128, True, 8, 3, 256),
     _cfg(256, 128, True, 8, 3), _cfg(128, 256, True, 8, 3), _cfg(128, 128, True, 4, 3), _cfg(64, 128, True, 4, 4),
-    _cfg(128, 64, True, 4, 5), _cfg(64, 64, True, 4, 4), _cfg(128, 128, False, 8, 4), _cfg(256, 128, False, 8, 3),
+    _cfg(128, 64, True, 4, 5), _cfg(64, 64, True, 4, 4), _cfg(64, 128, True, 4, 3, 256), _cfg(64, 64, True, 4, 4, 256),
+    _cfg(128, 128, False, 8, 4), _cfg(256, 128, False, 8, 3),
 ]
 #: Tile under the Triton interpreter (CPU tests).
 CHANNEL_INTERPRETER_CONFIG: Final = _cfg(32, 32, False, 4, 1) | {"GROUP_M": 2}
@@ -122,7 +123,6 @@ def launch_channel_gemm(args: tuple[Any, ...], flags: dict[str, Any], config: di
     run_flags = dict(flags)
     if "ASM" in cfg:  # a config may pin the unpacking variant (benchmark comparison); never under the interpreter
         run_flags["ASM"] = bool(cfg.pop("ASM")) and flags["ASM"]
-    cfg.pop("PACKS", None)
     check_channel_k(int(args[-1]), int(cfg.get("BLOCK_K", CHANNEL_K_MULTIPLE)))
     _w4a8_channel_kernel[grid_for(m, n, cfg)](*args, **run_flags, **cfg, num_warps=warps, num_stages=stages)
 

@@ -199,7 +199,6 @@ def _launch_grouped(args: tuple[Any, ...], flags: dict[str, Any], config: dict[s
     run_flags = dict(flags)
     if "ASM" in cfg:  # a config may pin the unpacking variant (benchmark comparison); never under the interpreter
         run_flags["ASM"] = bool(cfg.pop("ASM")) and flags["ASM"]
-    cfg.pop("PACKS", None)
     _w4a8_kernel[grid_for(m, n, cfg)](*args, **run_flags, **cfg, num_warps=warps, num_stages=stages)
 
 
@@ -305,9 +304,8 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
         _w4a16_tuned[lambda meta: grid_for(m, n, meta)](*args, **flags)
         return out
     cfg, warps, _ = split_launch_options(dict(INTERPRETER_CONFIG) if config is None else config)
-    cfg.pop("SWAP_AB", None)
-    cfg.pop("PACKS", None)
-    cfg.pop("ASM", None)
+    for key in ("SWAP_AB", "ASM", "BLOCK_K"):  # W4A8-only meta-parameters of a shared config
+        cfg.pop(key, None)
     _w4a16_kernel[grid_for(m, n, cfg)](*args, **flags, **cfg, num_warps=warps)
     return out
 
