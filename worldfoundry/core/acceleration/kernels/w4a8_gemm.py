@@ -45,7 +45,7 @@ from worldfoundry.core.acceleration.kernels.w4a8_channel_gemm import (
     launch_channel_gemm,
 )
 from worldfoundry.core.acceleration.kernels.w4a8_tiles import grid_for, split_launch_options
-from worldfoundry.core.acceleration.kernels.w4a8_tuning import choose_config, measured_config
+from worldfoundry.core.acceleration.kernels.w4a8_tuning import choose_config, chosen_config, measured_config
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL, SCALE_GROUPINGS, k_multiple
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import QuantizationInputError
@@ -212,6 +212,9 @@ def w4a8_tile(q: torch.Tensor, weight: SVDQuantWeight, launch: Any, flags: dict[
     """The tile :func:`triton_w4a8_gemm` runs for this call on CUDA (:mod:`.w4a8_tuning`; may time candidates)."""
     m, k = q.shape
     key = tile_key(weight, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"])
+    cached = chosen_config(q.device, key, m)
+    if cached is not None:  # the common case: one dict lookup per call
+        return cached
     candidates = channel_candidates(k) if weight.group_size == PER_CHANNEL else W4A8_CONFIGS
     measured = measured_config(q.device, key[0], weight.group_size, weight.out_features, k, m)
     return choose_config(key, q.device, m, candidates, launch, measured)
