@@ -234,7 +234,7 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
         out_dtype: output dtype.
         config: fixed tile (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SWAP_AB``, optional ``num_warps``,
             ``num_stages``, ``ASM`` -- ``False`` unpacks with plain int8 ops instead of 32-bit inline PTX --, and
-            per channel ``PACKS``); ``None`` chooses per shape on CUDA (:mod:`.w4a8_tuning`) and uses the
+            per channel ``BLOCK_K``, 128 or 256); ``None`` chooses per shape on CUDA (:mod:`.w4a8_tuning`) and uses the
             interpreter tile under the interpreter.
 
     Returns:
