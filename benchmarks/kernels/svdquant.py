@@ -144,7 +144,9 @@ def _linear_case(device: torch.device, args: argparse.Namespace, m: int, k: int,
         calls["w4a8 GEMM only"] = lambda: triton_w4a8_gemm(q, s, sq, t, b)
         calls["int8 act quant only"] = lambda: triton_quantize_rows_int8(x, sq.inv_smooth)
         calls["low-rank down x.D^T only"] = lambda: lowrank_down(x, sq)
-        calls["w4a8 rank 0 (quant + GEMM)"] = lambda: svdquant_linear(x, rtn, b, backend="w4a8")
+        # rank 0 (plain RTN codes) on the tile chosen for the rank-32 GEMM: no second tile search
+        calls["w4a8 rank 0 (quant + GEMM)"] = lambda: triton_w4a8_gemm(
+            *triton_quantize_rows_int8(x, None), rtn, None, b, config=entry.get("chosen_config"))
         calls[TOTAL_SEPARATE] = lambda: svdquant_linear(x, sq, b, backend="w4a8", fused_lowrank=False)
         calls[TOTAL_FUSED] = lambda: svdquant_linear(x, sq, b, backend="w4a8", fused_lowrank=True)
         if mode == args.modes[0]:  # the quantizers do not depend on the mode: their variants timed once per shape
