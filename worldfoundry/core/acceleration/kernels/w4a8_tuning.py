@@ -2,8 +2,9 @@
 
 Triton's ``autotune`` did not pick the fastest configuration at the W81 FFN shapes (H200, commit ``e2793b9``:
 autotuned 1.836 ms where a swept configuration took 1.685 ms at 1536 -> 8960, group 128; 1.518 vs 1.418 ms at
-8960 -> 1536). Its benchmark times each configuration in isolation with the L2 cache flushed between calls and few
-repetitions, which ranks these close candidates differently from back-to-back use. The choice here is, in order:
+8960 -> 1536). Its benchmark (``triton.testing.do_bench``) times each configuration in a separate batch with the L2
+cache flushed before every call, which can rank close candidates differently from back-to-back use (and from the
+benchmark that judged them). The choice here is, in order:
 
 1. the in-process cache (one choice per device, kernel, shape key and ``M`` bucket -- the next power of two);
 2. :data:`MEASURED_CONFIGS`: tiles measured fastest by ``benchmarks/kernels/svdquant.py`` on the H200 (sm_90) for
