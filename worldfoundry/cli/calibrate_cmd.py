@@ -25,6 +25,20 @@ DEFAULT_RECIPE = "tiny-wan2.1-trained"
 DEFAULT_INCLUDE = ("blocks.*.ffn.0", "blocks.*.ffn.2")
 
 
+def group_size_arg(text: str) -> int:
+    """``--group-size`` value: ``64``, ``128``, or ``channel`` / ``0`` (per output channel, stored as 0).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    value = text.strip().lower()
+    if value in ("channel", "0"):
+        return 0
+    if value in ("64", "128"):
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected 64, 128 or channel, got {text!r}")
+
+
 def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
     """The ``svdquant`` calibration options (shared with ``benchmarks/inference/calibrate_plugins.py``)."""
     p.add_argument("--recipe", "--model", dest="recipe", default=DEFAULT_RECIPE, help="recipe name or YAML path")
@@ -36,7 +50,9 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["svdquant", "rtn"], default="svdquant",
                    help="svdquant (smoothing + low-rank + INT4 residual) or rtn (plain INT4 round to nearest)")
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--group-size", type=int, choices=[64, 128], default=64)
+    p.add_argument("--group-size", type=group_size_arg, default=64, metavar="{64,128,channel}",
+                   help="input features per INT4 scale, or 'channel' (0): one scale per output channel for the "
+                        "whole K (the fastest W4A8 GEMM; K a multiple of 128)")
     p.add_argument("--alpha", type=float, default=0.5, help="smoothing migration strength in [0, 1]")
     p.add_argument("--svd", choices=["full", "randomized"], default="full")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
@@ -100,8 +116,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(f"artifact: {summary['artifact']}  ({summary['method']}, rank {summary['rank']}, group "
-              f"{summary['group_size']}, {summary['linears']} Linears, max weight rel L2 "
+        grouping = "per channel" if summary["group_size"] == 0 else f"group {summary['group_size']}"
+        print(f"artifact: {summary['artifact']}  ({summary['method']}, rank {summary['rank']}, {grouping}, "
+              f"{summary['linears']} Linears, max weight rel L2 "
               f"{summary['weight_rel_l2_max']:.4f})")
     return 0
 

@@ -1,4 +1,4 @@
-"""The Python examples of docs/svdquant.md run (the first one; the second is a configuration fragment) and
+"""The Python examples of docs/svdquant.md run (the first two; the third is a configuration fragment) and
 print what the page says."""
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 def test_python_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
     blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
-    assert len(blocks) == 2 and "RuntimePolicy(" in blocks[1]
+    assert len(blocks) == 3 and "RuntimePolicy(" in blocks[2]
     exec(compile(blocks[0], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2] == "[('backend_reason: cpu device', 4), ('reference', 4)]"
     assert lines[-1].endswith("relative L2") and float(lines[-1].split()[0]) < 0.05
+
+
+def test_per_channel_example_runs(capsys) -> None:  # noqa: ANN001
+    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    exec(compile(blocks[1], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
+    shapes, result = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert shapes == "(1, 64) (64, 128)"
+    assert result.startswith("reference ") and result.endswith("relative L2") and float(result.split()[1]) < 0.15

@@ -16,6 +16,7 @@ from worldfoundry.base_models.diffusion_model.optimizations.projection_selection
     select_linears,
 )
 from worldfoundry.core.acceleration.patching import PatchRecorder
+from worldfoundry.core.acceleration.quantization.int4_packing import describe_grouping
 from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
 from worldfoundry.core.acceleration.quantization.svdquant_artifact import SVDQuantArtifact, load_svdquant_artifact
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
@@ -112,7 +113,7 @@ def _refuse_gradient_checkpointing(model: nn.Module) -> None:
 def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
     m = artifact.manifest
     return {"file": artifact.file, "format": m["format"], "method": m["method"], "rank": m["rank"],
-            "group_size": m["group_size"], "alpha": m.get("alpha"), "include": list(m.get("include", [])),
+            "group_size": m["group_size"], "scale_grouping": describe_grouping(int(m["group_size"])), "alpha": m.get("alpha"), "include": list(m.get("include", [])),
             "calibration_seeds": list((m.get("calibration") or {}).get("seeds", []))}
 
 
@@ -177,7 +178,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         exact=False,
         notes=(
             f"approximate: {artifact.manifest['method']} rank {artifact.manifest['rank']} low-rank (bfloat16) + INT4 "
-            f"residual (group {artifact.manifest['group_size']}) with per-token INT8 activations, from {artifact.file}",
+            f"residual ({describe_grouping(int(artifact.manifest['group_size']))}) with per-token INT8 activations, from {artifact.file}",
             "keep_original cpu: dense weights move to pinned host memory (device weight memory drops); device: "
             "dense weights stay and the quantized tensors are added",
             "runs W4A8 (Triton, INT8 tensor cores) on sm_90+, W4A16 on other CUDA GPUs and the torch reference of the "

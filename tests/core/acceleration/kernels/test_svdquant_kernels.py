@@ -9,6 +9,9 @@ Claims:
   output within ``1e-5 * max|ref|`` of :func:`w4a8_linear_reference` (integer partial sums exact in both; only
   the low-rank dot's summation order differs); bfloat16 output within one bfloat16 ulp of ``max|ref|``
   (``2**-7 * max|ref|``);
+* per-channel W4A8 GEMM (``group_size = 0``; both orientations, ``BLOCK_K`` 128 and 256): the residual part (rank 0, no
+  bias, float32 output) **bitwise** :func:`int4_gemm_reference` (one exact int32 sum, the same float32 rounding and
+  products); with low-rank and bias within ``1e-5 * max|ref|`` (float32) / one bfloat16 ulp of ``max|ref|``;
 * W4A16 GEMM: within ``2**-5 * max|ref|`` of :func:`w4a16_linear_reference` here -- the interpreter's
   float32 -> bfloat16 conversion of the dequantized operands does not round to nearest even; the GPU test
   holds it to ``2**-7``.
@@ -27,8 +30,11 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import lowrank_down, pad_rank, svdquant_linear
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.errors import QuantizationInputError
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
+    SVDQuantWeight,
     decompose,
+    int4_gemm_reference,
     w4a8_linear_reference,
     w4a16_linear_reference,
 )
@@ -76,7 +82,38 @@ def test_w4a8_gemm_matches_the_reference(swap, rank, bias, group, m):
     assert (out_bf16.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
-@pytest.mark.parametrize("rank,group", [(0, 64), (16, 128)])
+@pytest.mark.parametrize("swap,block_k", [(False, 128), (True, 128), (True, 256)])
+@pytest.mark.parametrize("rank,bias,m", [(0, False, 32), (32, True, 45)])
+def test_per_channel_w4a8_gemm_matches_the_reference(swap, block_k, rank, bias, m):
+    n, k = 40, 512
+    weight = _weight(n, k, rank, 0, smooth=rank > 0, seed=4)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(m, k, generator=g) * 2
+    b = torch.randn(n, generator=g) if bias else None
+    q, s = quantize_rows_int8(x, weight.inv_smooth)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2, "SWAP_AB": swap, "BLOCK_K": block_k}
+    residual = SVDQuantWeight(weight.qweight, weight.scales, 0, weight.inv_smooth)
+    out0 = triton_w4a8_gemm(q, s, residual, None, None, out_dtype=torch.float32, config=cfg)
+    assert torch.equal(out0, int4_gemm_reference(q, s, residual))
+    out = triton_w4a8_gemm(q, s, weight, lowrank_down(x, weight), b, out_dtype=torch.float32, config=cfg)
+    ref = w4a8_linear_reference(x, weight, b)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    y, used = svdquant_linear(x.to(torch.bfloat16), weight, b, backend="w4a8")
+    ref16 = w4a8_linear_reference(x.to(torch.bfloat16), weight, b).float()
+    assert used.backend == "w4a8" and (y.float() - ref16).abs().max() <= 2**-7 * ref16.abs().max()
+
+
+def test_per_channel_gemm_refuses_k_it_cannot_sum_exactly():
+    from worldfoundry.core.acceleration.kernels.w4a8_channel_gemm import MAX_CHANNEL_K, check_channel_k
+
+    check_channel_k(MAX_CHANNEL_K)
+    with pytest.raises(QuantizationInputError, match="exceeds 131072"):
+        check_channel_k(MAX_CHANNEL_K + 128)
+    with pytest.raises(QuantizationInputError, match="not a multiple of the K step 256"):
+        check_channel_k(384, block_k=256)
+
+
+@pytest.mark.parametrize("rank,group", [(0, 64), (16, 128), (16, 0)])
 def test_w4a16_gemm_matches_the_reference(rank, group):
     n, k, m = 64, 256, 24
     weight = _weight(n, k, rank, group, smooth=True)

@@ -79,3 +79,47 @@ def test_the_automatic_choice_reads_wide_rows_in_two_passes(monkeypatch):
     assert int8_act_quant._launch_shape(1536)["SINGLE_PASS"] is True
     assert int8_act_quant._launch_shape(8960)["SINGLE_PASS"] is False
     assert int8_act_quant._launch_shape(8960, single_pass=True)["SINGLE_PASS"] is True
+
+
+CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"BLOCK_K": "constexpr"}
+
+
+def _loop_body(ttgir: str) -> list[str]:
+    lines = ttgir.splitlines()
+    start = next(i for i, line in enumerate(lines) if "scf.for" in line)
+    end = next(i for i in range(start, len(lines)) if "scf.yield" in lines[i])
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("swap,block_k", [(True, 128), (False, 128), (True, 256)])
+def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swap, block_k):
+    from worldfoundry.core.acceleration.kernels import w4a8_channel_gemm
+
+    consts = {"RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128, "BLOCK_N": 128,
+              "GROUP_M": 8, "WIDEN": False, "ASM": True, "BLOCK_K": block_k}
+    kernel = triton.compile(ASTSource(fn=w4a8_channel_gemm._w4a8_channel_kernel, signature=CHANNEL_SIGNATURE,
+                                      constexprs=consts, attrs=ALIGNED),
+                            target=HOPPER, options={"num_warps": 8, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx) and "cp.async" in ptx and "0xF0F0F0F0" in ptx
+    body = "\n".join(_loop_body(kernel.asm["ttgir"]))
+    assert "warp_group_dot" in body and "xi32" in body
+    assert not re.search(r"arith\.(mulf|addf|sitofp)", body)  # no float work in the main loop
+    assert body.count("ttng.warp_group_dot ") == 1  # one dot per K step (paired codes interleaved by join)
+    assert "convert_layout" not in body  # the interleave moves no data
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m):
+    from worldfoundry.core.acceleration.kernels import int8_quant_lowrank
+
+    sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
+           "M": "i32", "K": "i32", "stride_xm": "i32",
+           **dict.fromkeys(["RANK", "HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "WIDEN"], "constexpr")}
+    consts = {"RANK": 32, "HAS_SMOOTH": True, "BLOCK_M": block_m, "BLOCK_K": 256, "WIDEN": False}
+    kernel = triton.compile(ASTSource(fn=int8_quant_lowrank._int8_lowrank_kernel, signature=sig, constexprs=consts,
+                                      attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
+                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert "fma.rn.f32" not in ptx  # x * rcp rounds before the rounding addition
+    assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)  # the low-rank dot on tensor cores

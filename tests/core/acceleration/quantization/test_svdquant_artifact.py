@@ -112,3 +112,39 @@ def test_calibration_refuses_evaluation_seeds_and_unknown_patterns():
         calibrate_pipeline(object(), include=["x"], seeds=[42])
     with pytest.raises(InvalidRequestError, match="--include"):
         select_for_calibration(_model(), ["blocks.*.ffn.0"])
+
+
+def test_per_channel_round_trip_and_errors(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    selected = select_for_calibration(model, ["0", "2"])
+    with InputAbsmaxObserver(selected) as obs:
+        model(torch.randn(6, 128))
+    manifest, tensors = build_svdquant_artifact(model, selected, obs.absmax, rank=8, group_size=0, observer=obs)
+    path = save_svdquant_artifact(manifest, tensors, tmp_path / "c.json")
+    art = load_svdquant_artifact(path)
+    assert art.group_size == 0 and art.manifest["format"] == "worldfoundry-svdquant-v1"
+    w = art.weight("2")
+    assert w.group_size == 0 and w.scales.shape == (1, 128) and w.qweight.shape == (128, 128)
+    _rewrite(path, lambda d: d.update(group_size=True))
+    with pytest.raises(ArtifactFormatError, match="expected 64, 128 or 0") as info:
+        load_svdquant_artifact(path)
+    assert info.value.field == "group_size"
+    from worldfoundry.errors import QuantizationInputError
+
+    small = _model()  # 64 input features: not a multiple of the per-channel K step (128)
+    sel = select_for_calibration(small, ["0"])
+    with InputAbsmaxObserver(sel) as obs2:
+        small(torch.randn(3, 64))
+    with pytest.raises(QuantizationInputError, match="per-channel K step 128"):
+        build_svdquant_artifact(small, sel, obs2.absmax, rank=4, group_size=0, observer=obs2)
+
+
+def test_calibrate_group_size_argument():
+    import argparse
+
+    from worldfoundry.cli.calibrate_cmd import group_size_arg
+
+    assert [group_size_arg(v) for v in ("64", "128", "channel", "0", "Channel")] == [64, 128, 0, 0, 0]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected 64, 128 or channel"):
+        group_size_arg("32")

@@ -24,6 +24,7 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
     interpreter_enabled,
     triton_quantize_rows_int8,
 )
+from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
     LOWRANK_DTYPE,
@@ -40,6 +41,10 @@ W4A8_MIN_CAPABILITY: Final = (8, 0)
 REASON_TRITON_MISSING: Final = "triton not importable"
 REASON_NOT_HOPPER: Final = "gpu below sm_90: W4A16"
 REASON_NO_INT8_TC: Final = "gpu below sm_80 lacks int8 tensor cores: W4A16"
+#: Inputs wider than this quantize and project down in one kernel (:mod:`.int8_quant_lowrank`: ``x`` read from
+#: DRAM once instead of three times -- 0.59 GB fewer bytes at W81 8960 -> 1536). Chosen from the byte count, not yet
+#: from a measurement: ``benchmarks/kernels/svdquant.py`` times both paths side by side.
+FUSED_QUANT_LOWRANK_MIN_K: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | No
 
 
 def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
-                    backend: str = "auto") -> tuple[torch.Tensor, BackendChoice]:
+                    backend: str = "auto", fused_lowrank: bool | None = None) -> tuple[torch.Tensor, BackendChoice]:
     """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
 
     Args:
@@ -115,6 +120,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         weight: rank-padded decomposed weight (:func:`pad_rank`).
         bias: optional ``[N]``.
         backend: ``auto``, ``w4a8``, ``w4a16`` or ``reference``.
+        fused_lowrank: W4A8 only: quantize and project down in one kernel (``None``: when ``K`` exceeds
+            :data:`FUSED_QUANT_LOWRANK_MIN_K` and there is a low-rank branch). Same codes either way.
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -134,12 +141,17 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     x2d = x.reshape(-1, weight.in_features)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    t = lowrank_down(x2d, weight)
     if choice.backend == "w4a8":
-        q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
+        if fused_lowrank is None:
+            fused_lowrank = weight.in_features > FUSED_QUANT_LOWRANK_MIN_K
+        if fused_lowrank and weight.lora_down is not None:
+            q, scale, t = triton_quantize_rows_int8_lowrank(x2d, weight.inv_smooth, weight.lora_down)
+        else:
+            t = lowrank_down(x2d, weight)
+            q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
         out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=x.dtype)
     else:
-        out = triton_w4a16_gemm(x2d, weight, t, bias, out_dtype=x.dtype)
+        out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
 
 
@@ -150,6 +162,7 @@ def reference_for(backend: str):  # noqa: ANN201 - returns one of two reference 
 
 __all__ = [
     "BACKENDS",
+    "FUSED_QUANT_LOWRANK_MIN_K",
     "BackendChoice",
     "choose_backend",
     "lowrank_down",

@@ -17,7 +17,10 @@
   ``[M, r]`` bfloat16, computed beforehand by one small bfloat16 GEMM), bias, cast to the output dtype.
 
 ``SWAP_AB`` computes the transposed tile (weights as the left operand, which Hopper's ``wgmma`` may take from
-registers); the autotuner picks either per shape.
+registers); :mod:`.w4a8_tuning` picks the tile per shape (a table measured on the H200, else interleaved timing).
+
+**Per output channel** (``group_size = 0``): :mod:`.w4a8_channel_gemm` -- one int32 accumulation over the whole K
+and the scales once in the epilogue, no float work in the main loop.
 
 **W4A16** (:func:`triton_w4a16_gemm`): ``bf16(x / λ)`` times the residual dequantized in registers
 (``bf16(code * s_w)``), bfloat16 tensor cores with float32 accumulation, same epilogue.
@@ -35,6 +38,15 @@ from typing import Any, Final
 import torch
 
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
+from worldfoundry.core.acceleration.kernels.w4a8_channel_gemm import (
+    CHANNEL_INTERPRETER_CONFIG,
+    channel_candidates,
+    check_channel_k,
+    launch_channel_gemm,
+)
+from worldfoundry.core.acceleration.kernels.w4a8_tiles import grid_for, split_launch_options
+from worldfoundry.core.acceleration.kernels.w4a8_tuning import choose_config, chosen_config, measured_config
+from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL, SCALE_GROUPINGS, k_multiple
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import QuantizationInputError
 
@@ -47,50 +59,15 @@ INTERPRETER_CONFIG: Final = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}
 
 if TRITON_AVAILABLE:
 
-    @triton.jit
-    def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-    @triton.jit
-    def _widen(v, WIDEN: tl.constexpr):
-        """bfloat16 -> float32 under the interpreter, whose bfloat16 dot is wrong (exact: bf16 is a subset of f32)."""
-        if WIDEN:
-            return v.to(tl.float32)
-        return v
-
-    @triton.jit
-    def _low_nibble(p):
-        """Signed low nibble of int8 ``p`` as int8 (explicit casts: shifts may promote to int32)."""
-        return ((p << 4).to(tl.int8) >> 4).to(tl.int8)
-
-    @triton.jit
-    def _high_nibble(p):
-        """Signed high nibble of int8 ``p`` as int8 (arithmetic shift)."""
-        return (p >> 4).to(tl.int8)
-
-    @triton.jit
-    def _low_nibble_x16(p, ASM: tl.constexpr):
-        """``16 * low nibble`` of int8 ``p`` as int8 (``p << 4``); with ``ASM`` four bytes per 32-bit op."""
-        if ASM:
-            return tl.inline_asm_elementwise("{ shl.b32 $0, $1, 4; and.b32 $0, $0, 0xF0F0F0F0; }", "=r,r", [p],
-                                             dtype=tl.int8, is_pure=True, pack=4)
-        return (p << 4).to(tl.int8)
-
-    @triton.jit
-    def _high_nibble_x16(p, ASM: tl.constexpr):
-        """``16 * high nibble`` of int8 ``p`` as int8 (``p & 0xF0``); with ``ASM`` four bytes per 32-bit op."""
-        if ASM:
-            return tl.inline_asm_elementwise("and.b32 $0, $1, 0xF0F0F0F0;", "=r,r", [p], dtype=tl.int8,
-                                             is_pure=True, pack=4)
-        return (p & -16).to(tl.int8)
+    from worldfoundry.core.acceleration.kernels.w4a8_tiles import (
+        _high_nibble,
+        _high_nibble_x16,
+        _low_nibble,
+        _low_nibble_x16,
+        _tile,
+        _w4a8_epilogue,
+        _widen,
+    )
 
     @triton.jit
     def _exact_float(i):
@@ -136,34 +113,14 @@ if TRITON_AVAILABLE:
                 part = tl.dot(xa, _low_nibble_x16(p, ASM), out_dtype=tl.int32)
                 part = tl.dot(xb, _high_nibble_x16(p, ASM), part, out_dtype=tl.int32)
                 acc += _exact_float(part) * s[None, :]
-        xs = tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)
-        r = tl.arange(0, RANK)
-        if SWAP_AB:
-            acc = acc * xs[None, :]
-            if HAS_LR:
-                lu = tl.load(lu_ptr + offs_n.to(tl.int64)[:, None] * RANK + r[None, :], mask=nmask[:, None], other=0.0)
-                tt = tl.load(t_ptr + offs_m.to(tl.int64)[None, :] * RANK + r[:, None], mask=mmask[None, :], other=0.0)
-                acc = tl.dot(_widen(lu, WIDEN), _widen(tt, WIDEN), acc)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
-        else:
-            acc = acc * xs[:, None]
-            if HAS_LR:
-                tt = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * RANK + r[None, :], mask=mmask[:, None], other=0.0)
-                lu = tl.load(lu_ptr + offs_n.to(tl.int64)[None, :] * RANK + r[:, None], mask=nmask[None, :], other=0.0)
-                acc = tl.dot(_widen(tt, WIDEN), _widen(lu, WIDEN), acc)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        _w4a8_epilogue(acc, offs_m, offs_n, xs_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, RANK, HAS_LR, HAS_BIAS,
+                       SWAP_AB, WIDEN)
 
     @triton.jit
     def _w4a16_kernel(x_ptr, inv_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
                       GROUP: tl.constexpr, RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_LR: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                      WIDEN: tl.constexpr):
+                      WIDEN: tl.constexpr, PAIRED: tl.constexpr = False):
         offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = offs_m < M
         nmask = offs_n < N
@@ -174,14 +131,16 @@ if TRITON_AVAILABLE:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for g in range(0, K // GROUP):
             k0 = g * GROUP
-            s = tl.load(ws_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # grouped codes: byte j = (k0 + j, k0 + HALF + j); per channel (PAIRED): (k0 + 2j, k0 + 2j + 1)
+            ka = k0 + kh * 2 if PAIRED else k0 + kh
+            kb = ka + 1 if PAIRED else ka + HALF
+            s = tl.load(ws_ptr + (0 if PAIRED else g * N) + offs_n, mask=nmask, other=0.0).to(tl.float32)
             p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
-            xa = tl.load(x_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-            xb = tl.load(x_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None],
-                         other=0.0).to(tl.float32)
+            xa = tl.load(x_ptr + x_rows[:, None] + ka[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + x_rows[:, None] + kb[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
             if HAS_SMOOTH:
-                xa = xa * tl.load(inv_ptr + k0 + kh)[None, :]
-                xb = xb * tl.load(inv_ptr + k0 + HALF + kh)[None, :]
+                xa = xa * tl.load(inv_ptr + ka)[None, :]
+                xb = xb * tl.load(inv_ptr + kb)[None, :]
             lo = (_low_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             hi = (_high_nibble(p).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             acc = tl.dot(_widen(xa.to(tl.bfloat16), WIDEN), _widen(lo, WIDEN), acc)
@@ -200,11 +159,11 @@ if TRITON_AVAILABLE:
         meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP_M": 8}
         if swap is not None:
             meta["SWAP_AB"] = swap
-        return triton.Config(meta, num_warps=warps, num_stages=stages)
+        return {**meta, "num_warps": warps, "num_stages": stages}
 
-    #: Autotuned on CUDA per (M, N, K, group, low-rank) -- both tile orientations. None spills registers on
-    #: sm_90 (``ptxas -v``: 256-wide tiles spill 0.5 KB and are left out); the 4-warp tiles fit two or more
-    #: programs per SM, so one program's MMAs overlap another's per-group float32 scaling.
+    #: Candidates of the group-scale W4A8 GEMM on CUDA (chosen per shape by :mod:`.w4a8_tuning`). None spills
+    #: registers on sm_90 (``ptxas -v``: 256-wide tiles spill 0.5 KB and are left out); the 4-warp tiles fit two
+    #: or more programs per SM, so one program's MMAs overlap another's per-group float32 scaling.
     #: Mostly ``SWAP_AB`` tiles: there the unpacked weights stay in registers as wgmma's A operand, while the
     #: other orientation writes them back to shared memory every K step (one such tile kept for comparison).
     W4A8_CONFIGS: Final = [
@@ -212,17 +171,18 @@ if TRITON_AVAILABLE:
         _config(64, 128, 4, 4, True), _config(128, 64, 4, 4, True), _config(64, 64, 4, 4, True),
     ]
     W4A16_CONFIGS: Final = [
-        _config(128, 128, 8, 4), _config(128, 256, 8, 3), _config(256, 128, 8, 3), _config(64, 128, 4, 4),
+        triton.Config({k: v for k, v in c.items() if not k.startswith("num_")}, num_warps=c["num_warps"],
+                      num_stages=c["num_stages"])
+        for c in (_config(128, 128, 8, 4), _config(128, 256, 8, 3), _config(256, 128, 8, 3), _config(64, 128, 4, 4))
     ]
-    _w4a8_tuned = triton.autotune(configs=W4A8_CONFIGS, key=["M", "N", "K", "GROUP", "HAS_LR", "HAS_BIAS"])(
-        _w4a8_kernel)
     _w4a16_tuned = triton.autotune(configs=W4A16_CONFIGS, key=["M", "N", "K", "GROUP", "HAS_LR", "HAS_BIAS",
-                                                                 "HAS_SMOOTH"])(_w4a16_kernel)
+                                                                 "HAS_SMOOTH", "PAIRED"])(_w4a16_kernel)
 
 
 def _check_operands(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> tuple[int, bool]:
-    if weight.group_size not in (64, 128):
-        raise QuantizationInputError(f"svdquant GEMM: group_size {weight.group_size} is not 64 or 128")
+    if weight.group_size not in SCALE_GROUPINGS:
+        raise QuantizationInputError(
+            f"svdquant GEMM: group_size {weight.group_size} is not 0 (per channel), 64 or 128")
     has_lr = weight.lora_up is not None
     if has_lr:
         rank = weight.lora_up.shape[1]
@@ -234,24 +194,48 @@ def _check_operands(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> t
     return 16, False
 
 
-def _grid(m: int, n: int) -> Any:
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+def _launch_grouped(args: tuple[Any, ...], flags: dict[str, Any], config: dict[str, Any], m: int, n: int) -> None:
+    cfg, warps, stages = split_launch_options(config)
+    run_flags = dict(flags)
+    if "ASM" in cfg:  # a config may pin the unpacking variant (benchmark comparison); never under the interpreter
+        run_flags["ASM"] = bool(cfg.pop("ASM")) and flags["ASM"]
+    _w4a8_kernel[grid_for(m, n, cfg)](*args, **run_flags, **cfg, num_warps=warps, num_stages=stages)
+
+
+def tile_key(weight: SVDQuantWeight, has_lr: bool, has_bias: bool, asm: bool) -> tuple[Any, ...]:
+    """Shape key of the tile choice (:mod:`.w4a8_tuning` adds the device and the ``M`` bucket)."""
+    kernel = "w4a8_channel" if weight.group_size == PER_CHANNEL else "w4a8"
+    return (kernel, weight.group_size, weight.out_features, weight.in_features, has_lr, has_bias, asm)
+
+
+def w4a8_tile(q: torch.Tensor, weight: SVDQuantWeight, launch: Any, flags: dict[str, Any]) -> dict[str, Any]:
+    """The tile :func:`triton_w4a8_gemm` runs for this call on CUDA (:mod:`.w4a8_tuning`; may time candidates)."""
+    m, k = q.shape
+    key = tile_key(weight, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"])
+    cached = chosen_config(q.device, key, m)
+    if cached is not None:  # the common case: one dict lookup per call
+        return cached
+    candidates = channel_candidates(k) if weight.group_size == PER_CHANNEL else W4A8_CONFIGS
+    measured = measured_config(q.device, key[0], weight.group_size, weight.out_features, k, m)
+    return choose_config(key, q.device, m, candidates, launch, measured)
 
 
 def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
                      bias: torch.Tensor | None, *, out_dtype: torch.dtype = torch.bfloat16,
                      config: dict[str, Any] | None = None) -> torch.Tensor:
-    """The W4A8 GEMM with fused low-rank up projection and bias.
+    """The W4A8 GEMM with fused low-rank up projection and bias (group scales, or per channel: one int32 sum).
 
     Args:
         q: int8 ``[M, K]`` contiguous activation codes; ``scale``: float32 ``[M, 1]``.
-        weight: on the same device, rank padded (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.pad_rank`).
+        weight: on the same device, rank padded (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.pad_rank`);
+            ``group_size`` 0 runs :mod:`.w4a8_channel_gemm`.
         t: bfloat16 ``[M, r]`` = ``x @ D.T`` or ``None`` for rank 0.
         bias: optional ``[N]``.
         out_dtype: output dtype.
         config: fixed tile (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SWAP_AB``, optional ``num_warps``,
-            ``num_stages``, ``ASM`` -- ``False`` unpacks with plain int8 ops instead of 32-bit inline PTX);
-            ``None`` autotunes on CUDA and uses :data:`INTERPRETER_CONFIG` under the interpreter.
+            ``num_stages``, ``ASM`` -- ``False`` unpacks with plain int8 ops instead of 32-bit inline PTX --, and
+            per channel ``BLOCK_K``, 128 or 256); ``None`` chooses per shape on CUDA (:mod:`.w4a8_tuning`) and uses the
+            interpreter tile under the interpreter.
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -266,22 +250,29 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     if q.dtype != torch.int8 or k != weight.in_features or not q.is_contiguous():
         raise QuantizationInputError(f"triton_w4a8_gemm: q must be contiguous int8 [M, {weight.in_features}]")
     rank, has_lr = _check_operands(weight, t, m)
+    channel = weight.group_size == PER_CHANNEL
+    if channel:
+        check_channel_k(k)
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
     args = (q, scale, weight.qweight, weight.scales, t if has_lr else scale, weight.lora_up if has_lr else scale,
             bias if bias is not None else scale, out, m, n, k)
-    flags = dict(GROUP=weight.group_size, RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None,
-                 WIDEN=q.device.type != "cuda", ASM=q.device.type == "cuda" and not interpreter_enabled())
-    if config is None and not interpreter_enabled():
-        _w4a8_tuned[_grid(m, n)](*args, **flags)
-        return out
-    cfg = dict(INTERPRETER_CONFIG, SWAP_AB=False) if config is None else dict(config)
-    warps = cfg.pop("num_warps", 4)
-    stages = cfg.pop("num_stages", 3)
-    if "ASM" in cfg:  # a config may pin the unpacking variant (benchmark comparison); never under the interpreter
-        flags["ASM"] = bool(cfg.pop("ASM")) and flags["ASM"]
-    _w4a8_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
+    flags = dict(RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None, WIDEN=q.device.type != "cuda",
+                 ASM=q.device.type == "cuda" and not interpreter_enabled())
+    if not channel:
+        flags["GROUP"] = weight.group_size
+    launcher = launch_channel_gemm if channel else _launch_grouped
+
+    def launch(c: dict[str, Any]) -> None:
+        launcher(args, flags, c, m, n)
+
+    if config is None:
+        if interpreter_enabled() or q.device.type != "cuda":
+            config = dict(CHANNEL_INTERPRETER_CONFIG) if channel else dict(INTERPRETER_CONFIG, SWAP_AB=False)
+        else:
+            config = w4a8_tile(q, weight, launch, flags)
+    launch(config)
     return out
 
 
@@ -291,7 +282,7 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
 
     Args:
         x2d: float ``[M, K]`` activations with unit stride along K.
-        weight, t, bias, out_dtype, config: as for :func:`triton_w4a8_gemm`.
+        weight, t, bias, out_dtype, config: as for :func:`triton_w4a8_gemm` (per channel too).
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -309,16 +300,17 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     inv = weight.inv_smooth
     args = (x2d, inv if inv is not None else out, weight.qweight, weight.scales, t if has_lr else out,
             weight.lora_up if has_lr else out, bias if bias is not None else out, out, m, n, k, x2d.stride(0))
-    flags = dict(GROUP=weight.group_size, RANK=rank, HAS_SMOOTH=inv is not None, HAS_LR=has_lr,
-                 HAS_BIAS=bias is not None, WIDEN=x2d.device.type != "cuda")
+    flags = dict(GROUP=k_multiple(weight.group_size), RANK=rank, HAS_SMOOTH=inv is not None, HAS_LR=has_lr,
+                 HAS_BIAS=bias is not None, WIDEN=x2d.device.type != "cuda",
+                 PAIRED=weight.group_size == PER_CHANNEL)
     if config is None and not interpreter_enabled():
-        _w4a16_tuned[_grid(m, n)](*args, **flags)
+        _w4a16_tuned[lambda meta: grid_for(m, n, meta)](*args, **flags)
         return out
-    cfg = dict(INTERPRETER_CONFIG) if config is None else dict(config)
-    cfg.pop("SWAP_AB", None)
-    warps = cfg.pop("num_warps", 4)
-    _w4a16_kernel[_grid(m, n)(cfg)](*args, **flags, **cfg, num_warps=warps)
+    cfg, warps, _ = split_launch_options(dict(INTERPRETER_CONFIG) if config is None else config)
+    for key in ("SWAP_AB", "ASM", "BLOCK_K"):  # W4A8-only meta-parameters of a shared config
+        cfg.pop(key, None)
+    _w4a16_kernel[grid_for(m, n, cfg)](*args, **flags, **cfg, num_warps=warps)
     return out
 
 
-__all__ = ["INTERPRETER_CONFIG", "triton_w4a16_gemm", "triton_w4a8_gemm"]
+__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "triton_w4a16_gemm", "tile_key", "triton_w4a8_gemm", "w4a8_tile"]

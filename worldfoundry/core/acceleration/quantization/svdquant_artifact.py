@@ -8,14 +8,14 @@ Two containers hold the same content:
   ``torch.load(weights_only=True)``.
 
 Manifest fields: ``format`` (``worldfoundry-svdquant-v1``), ``method`` (``svdquant`` | ``rtn``), ``rank``,
-``group_size``, ``alpha`` (``null`` without smoothing), ``svd``, ``weight_bits`` (4), ``activation_bits`` (8),
+``group_size`` (64, 128, or 0: one scale per output channel for the whole ``K``), ``alpha`` (``null`` without smoothing), ``svd``, ``weight_bits`` (4), ``activation_bits`` (8),
 ``include`` (the calibration's patterns), ``model`` (class, family), ``calibration`` (provenance: recipe,
 prompts, seeds, frames, size, steps, versions, time) and ``linears``: per Linear path its ``in_features``,
 ``out_features``, ``rank``, ``smoothed``, ``source`` (``weight`` and ``bias``: ``sha256``, ``shape``,
 ``dtype``, as :func:`~worldfoundry.core.acceleration.quantization.parameter_digest.tensor_sha256`),
 ``calibration`` (calls, rows) and ``diagnostics`` (``weight_rel_l2``).
 
-Tensors of a Linear ``P``: ``P.qweight`` int8 ``[N, K/2]``, ``P.scales`` bfloat16 ``[K/G, N]``, and when
+Tensors of a Linear ``P``: ``P.qweight`` int8 ``[N, K/2]``, ``P.scales`` bfloat16 ``[K/G, N]`` (``[1, N]`` per channel), and when
 present ``P.inv_smooth`` float32 ``[K]``, ``P.lora_down`` bfloat16 ``[r, K]``, ``P.lora_up`` bfloat16 ``[N, r]``.
 
 Reading checks, before any tensor is built, the manifest schema, the tensor file's size and digest, and every
@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.acceleration.quantization.int4_packing import GROUP_SIZES
+from worldfoundry.core.acceleration.quantization.int4_packing import SCALE_GROUPINGS, k_multiple, scale_groups
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import ArtifactFormatError
 
@@ -45,7 +45,7 @@ METHODS: Final = ("svdquant", "rtn")
 MAX_MANIFEST_BYTES: Final = 64 * 2**20
 _TENSOR_SPECS: Final = {  # name -> (dtype, shape builder(in, out, rank, group))
     "qweight": (torch.int8, lambda k, n, r, g: (n, k // 2)),
-    "scales": (torch.bfloat16, lambda k, n, r, g: (k // g, n)),
+    "scales": (torch.bfloat16, lambda k, n, r, g: (scale_groups(k, g), n)),
     "inv_smooth": (torch.float32, lambda k, n, r, g: (k,)),
     "lora_down": (torch.bfloat16, lambda k, n, r, g: (r, k)),
     "lora_up": (torch.bfloat16, lambda k, n, r, g: (n, r)),
@@ -116,8 +116,9 @@ def check_manifest(manifest: Any, file: str) -> dict[str, LinearEntry]:
                     "(Nunchaku or other SVDQuant checkpoints cannot be read; calibrate with `worldfoundry calibrate svdquant`)")
     if manifest.get("method") not in METHODS:
         raise _fail(file, "method", f"expected one of {list(METHODS)}, got {manifest.get('method')!r}")
-    if manifest.get("group_size") not in GROUP_SIZES:
-        raise _fail(file, "group_size", f"expected one of {list(GROUP_SIZES)}, got {manifest.get('group_size')!r}")
+    group = manifest.get("group_size")
+    if isinstance(group, bool) or group not in SCALE_GROUPINGS:
+        raise _fail(file, "group_size", f"expected 64, 128 or 0 (per output channel), got {group!r}")
     _int(file, "rank", manifest.get("rank"), 0, 1 << 16)
     for key, want in (("weight_bits", 4), ("activation_bits", 8)):
         if manifest.get(key) != want:
@@ -136,8 +137,9 @@ def check_manifest(manifest: Any, file: str) -> dict[str, LinearEntry]:
         k = _int(file, f"{where}.in_features", rec.get("in_features"), 1)
         n = _int(file, f"{where}.out_features", rec.get("out_features"), 1)
         r = _int(file, f"{where}.rank", rec.get("rank"), 0, min(k, n))
-        if k % int(manifest["group_size"]):
-            raise _fail(file, f"{where}.in_features", f"{k} is not a multiple of group_size {manifest['group_size']}")
+        if k % k_multiple(group):
+            raise _fail(file, f"{where}.in_features", f"{k} is not a multiple of {k_multiple(group)} "
+                        f"(group_size {group})")
         smoothed = rec.get("smoothed")
         if not isinstance(smoothed, bool):
             raise _fail(file, f"{where}.smoothed", f"expected true/false, got {smoothed!r}")

@@ -17,7 +17,15 @@ residual ``R`` with group-wise scales:
 * the SVD is exact (``torch.linalg.svd``) or randomized (``torch.svd_lowrank``, seeded) for large weights;
 * ``U`` and ``D`` are rounded to bfloat16 *before* the residual is formed, so ``R`` absorbs their rounding;
 * the residual is quantized with :func:`~worldfoundry.core.acceleration.quantization.int4_packing.quantize_int4_groupwise`
-  (symmetric, group 64 or 128 along ``K``, bfloat16 scales).
+  (symmetric, group 64 or 128 along ``K``, or one scale per output channel -- ``group_size = 0`` -- bfloat16
+  scales).
+
+**Per output channel** (``group_size = 0``): ``y ≈ s_x[m] * s_w[n] * (q_x[m] · q_R[n]) + ...`` -- the whole ``K``
+sums in one int32 accumulator (``|16 * q_x · q_R| <= 16 * 127 * 8 * K < 2**31`` for ``K <= 131,072``; the GEMM
+feeds the codes times 16), converted once to float32 (round to nearest even) and scaled by ``s_w[n]`` and then
+``s_x[m]`` in the epilogue. :func:`int4_gemm_reference` forms the same integer exactly (float64 matmul of
+integers below 2**53), rounds it to float32 and multiplies in the same order, so the residual GEMM is bitwise
+the kernel's before the low-rank and bias additions.
 
 Group scales along ``K`` mean the INT8xINT4 products cannot be summed in one int32 accumulator across the whole
 ``K``: the W4A8 GEMM accumulates each group exactly in int32 (at most 127 * 8 * 128 < 2**24 in magnitude) and
@@ -37,6 +45,7 @@ from typing import Final
 import torch
 
 from worldfoundry.core.acceleration.quantization.int4_packing import (
+    PER_CHANNEL,
     dequantize_int4_groupwise,
     quantize_int4_groupwise,
     unpack_int4,
@@ -60,8 +69,8 @@ class SVDQuantWeight:
 
     Attributes:
         qweight: int8 ``[N, K/2]``, packed INT4 residual codes (layout in ``int4_packing``).
-        scales: bfloat16 ``[K/G, N]`` residual scales.
-        group_size: ``G`` (64 or 128).
+        scales: bfloat16 ``[K/G, N]`` residual scales (``[1, N]`` per channel).
+        group_size: ``G`` (64 or 128), or 0 for one scale per output channel over the whole ``K``.
         inv_smooth: float32 ``[K]`` = ``1/λ`` applied to the input of the residual branch, or ``None``.
         lora_down: bfloat16 ``[r, K]`` acting on the raw input (``1/λ`` folded in), or ``None`` (rank 0).
         lora_up: bfloat16 ``[N, r]``, or ``None``.
@@ -162,7 +171,7 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
     Args:
         weight: ``[N, K]`` float weight (any device; the SVD runs there in float32).
         rank: ``r >= 0``; 0 keeps no low-rank branch.
-        group_size: 64 or 128.
+        group_size: 64 or 128, or 0 (per output channel; ``K`` a multiple of 128).
         act_absmax: calibration absmax per input channel ``[K]``; ``None`` disables smoothing.
         alpha: smoothing migration strength.
         svd: ``"full"`` (exact) or ``"randomized"`` (``torch.svd_lowrank``, 4 power iterations, seeded).
@@ -215,12 +224,17 @@ def weight_rel_error(weight: torch.Tensor, quantized: SVDQuantWeight) -> float:
 def int4_gemm_reference(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor:
     """``s_x[m] * Σ_g s_w[g, n] * (q_x[m, g] · q_R[n, g])`` in float32, groups summed in order.
 
-    Integer partial sums are formed exactly (float32 matmul of integer values below 2**24 in magnitude).
+    Integer partial sums are formed exactly (float32 matmul of integer values below 2**24 in magnitude). Per
+    channel (``group_size = 0``): ``float32(q_x · q_R) * s_w[n] * s_x[m]``, the integer exact (float64 matmul).
 
     Returns:
         float32 ``[M, N]``.
     """
     g = weight.group_size
+    if g == PER_CHANNEL:
+        codes = unpack_int4(weight.qweight, g).double()
+        exact = (q.double() @ codes.t()).float()
+        return exact * weight.scales.float()[0] * scale.float()
     codes = unpack_int4(weight.qweight, g).float()
     qx = q.float()
     scales = weight.scales.float()
