@@ -42,9 +42,10 @@ REASON_TRITON_MISSING: Final = "triton not importable"
 REASON_NOT_HOPPER: Final = "gpu below sm_90: W4A16"
 REASON_NO_INT8_TC: Final = "gpu below sm_80 lacks int8 tensor cores: W4A16"
 #: Inputs wider than this quantize and project down in one kernel (:mod:`.int8_quant_lowrank`: ``x`` read from
-#: DRAM once instead of three times -- 0.59 GB fewer bytes at W81 8960 -> 1536). Chosen from the byte count, not yet
-#: from a measurement: ``benchmarks/kernels/svdquant.py`` times both paths side by side.
-FUSED_QUANT_LOWRANK_MIN_K: Final = 4096
+#: DRAM once instead of three times) when nothing else is asked. ``None``: never -- on the H200 the fused kernel
+#: made the W81 8960 -> 1536 Linear slower (2.08 ms total against 1.56 ms with the quantizer and the down
+#: projection as two kernels, ``benchmarks/kernels/svdquant.py``), so it runs only with ``fused_lowrank=True``.
+FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         bias: optional ``[N]``.
         backend: ``auto``, ``w4a8``, ``w4a16`` or ``reference``.
         fused_lowrank: W4A8 only: quantize and project down in one kernel (``None``: when ``K`` exceeds
-            :data:`FUSED_QUANT_LOWRANK_MIN_K` and there is a low-rank branch). Same codes either way.
+            :data:`FUSED_QUANT_LOWRANK_MIN_K`, which is unset: never). Same codes either way.
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -143,7 +144,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         x2d = x2d.contiguous()
     if choice.backend == "w4a8":
         if fused_lowrank is None:
-            fused_lowrank = weight.in_features > FUSED_QUANT_LOWRANK_MIN_K
+            limit = FUSED_QUANT_LOWRANK_MIN_K
+            fused_lowrank = limit is not None and weight.in_features > limit
         if fused_lowrank and weight.lora_down is not None:
             q, scale, t = triton_quantize_rows_int8_lowrank(x2d, weight.inv_smooth, weight.lora_down)
         else:
