@@ -183,6 +183,7 @@ def triton_gelu_quantize_rowwise_fp8(
     portable_math: bool | None = None,
     return_activation: bool = False,
     config: dict[str, Any] | None = None,
+    inv_smooth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """GELU + rowwise FP8 quantization of ``h`` in one Triton kernel (one read of ``h``).
 
@@ -196,6 +197,8 @@ def triton_gelu_quantize_rowwise_fp8(
         return_activation: also write and return the bfloat16 GELU output (tests and benchmarks; costs the
             write the fusion saves).
         config: optional ``{"BLOCK_M", "num_warps"}`` override (benchmark sweeps; same bytes for any value).
+        inv_smooth: optional float32 ``[K]`` multiplied into the GELU output before quantization (SVDQuant's
+            ``1 / λ`` of the next Linear).
 
     Returns:
         ``(q, scale)``: float8_e4m3fn of ``h``'s shape and float32 scales ``[..., 1]``; plus the activation when
@@ -218,7 +221,7 @@ def triton_gelu_quantize_rowwise_fp8(
     q, scale, g = launch_rowwise_fp8(
         h, activation=activation, constants=constants, clip_counter=clip_counter,
         software_rounding=software_rounding, portable_math=portable_math, store_activation=return_activation,
-        config=config,
+        config=config, inv_smooth=inv_smooth,
     )
     return (q, scale, g) if return_activation else (q, scale)
 

@@ -141,13 +141,18 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _load_rows(x_rows, row_mask, col0, K, c0, c1, WIDTH: tl.constexpr, ACTIVATION: tl.constexpr,
-                   PORTABLE_MATH: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-        """Columns ``[col0, col0 + WIDTH)`` of the program's rows as float32 (after the activation, if any)."""
+                   PORTABLE_MATH: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, smooth_ptr=None,
+                   HAS_SMOOTH: tl.constexpr = False):
+        """Columns ``[col0, col0 + WIDTH)`` of the program's rows as float32 (after the activation, if any, then
+        times the per-column ``smooth`` factor: one rounded float32 product)."""
         cols = col0 + tl.arange(0, WIDTH)
-        mask = row_mask[:, None] & (cols[None, :] < K)
+        cmask = cols < K
+        mask = row_mask[:, None] & cmask[None, :]
         v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if ACTIVATION != 0:
             v = _gelu_to_bfloat16(v, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+        if HAS_SMOOTH:
+            v = v * tl.load(smooth_ptr + cols, mask=cmask, other=0.0)[None, :]
         return v, mask, cols
 
     @triton.jit
@@ -176,6 +181,7 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, BLOCK_K: tl.constexpr,
         SINGLE_PASS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_ACTIVATION: tl.constexpr,
         PORTABLE_MATH: tl.constexpr, COUNT_CLIPS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+        smooth_ptr=None, HAS_SMOOTH: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -186,15 +192,15 @@ if TRITON_AVAILABLE:
         a_rows = act_ptr + rows64[:, None] * stride_am
         if SINGLE_PASS:
             # the row in up to three power-of-two pieces, all held in registers between amax and quantization
-            v0, m0, k0 = _load_rows(x_rows, row_mask, 0, K, c0, c1, P0, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+            v0, m0, k0 = _load_rows(x_rows, row_mask, 0, K, c0, c1, P0, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
             amax = tl.max(tl.abs(v0), axis=1)
             if P1 > 0:
                 v1, m1, k1 = _load_rows(x_rows, row_mask, P0, K, c0, c1, P1, ACTIVATION, PORTABLE_MATH,
-                                        SOFTWARE_ROUNDING)
+                                        SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
                 amax = tl.maximum(amax, tl.max(tl.abs(v1), axis=1))
             if P2 > 0:
                 v2, m2, k2 = _load_rows(x_rows, row_mask, P0 + P1, K, c0, c1, P2, ACTIVATION, PORTABLE_MATH,
-                                        SOFTWARE_ROUNDING)
+                                        SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
                 amax = tl.maximum(amax, tl.max(tl.abs(v2), axis=1))
             scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
             inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
@@ -210,14 +216,14 @@ if TRITON_AVAILABLE:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k_start in range(0, K, BLOCK_K):
                 v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
-                                      SOFTWARE_ROUNDING)
+                                      SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
                 amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
             scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
             inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
             clipped = tl.zeros([BLOCK_M], dtype=tl.int32)
             for k_start in range(0, K, BLOCK_K):  # second read (L2); the activation is recomputed
                 v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
-                                      SOFTWARE_ROUNDING)
+                                      SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
                 clipped += _store_rows(v, inv, q_rows, a_rows, kk, m, fp8_max, clip_threshold, COUNT_CLIPS,
                                        STORE_ACTIVATION, SOFTWARE_ROUNDING)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
@@ -337,6 +343,7 @@ def launch_rowwise_fp8(
     portable_math: bool | None = None,
     store_activation: bool = False,
     config: dict[str, Any] | None = None,
+    inv_smooth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the kernel on already validated input (callers check dtype, device and the counter).
 
@@ -351,6 +358,8 @@ def launch_rowwise_fp8(
         store_activation: also return the activation output (bfloat16; for tests and benchmarks).
         config: override of :func:`launch_config`'s ``BLOCK_M``/``num_warps`` (benchmark sweeps); the result
             does not depend on it.
+        inv_smooth: optional float32 ``[K]`` multiplied into every column after the activation (SVDQuant's
+            ``1 / λ``); the result is the reference of ``float32(act(x)) * inv_smooth``.
 
     Returns:
         ``(q, scale, activation_output_or_None)``.
@@ -382,6 +391,10 @@ def launch_rowwise_fp8(
             "SOFTWARE_ROUNDING": interpreted if software_rounding is None else bool(software_rounding),
             "num_warps": num_warps,
         }
+        if inv_smooth is not None:
+            if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or inv_smooth.device != x.device:
+                raise QuantizationInputError(f"launch_rowwise_fp8: inv_smooth must be float32 [{k}] on {x.device}")
+            kwargs.update(smooth_ptr=inv_smooth, HAS_SMOOTH=True)
         _launch_on(x.device, (triton.cdiv(m, block_m),), args, kwargs)
     return q.view(shape), scale.view(*shape[:-1], 1), act.view(shape) if act is not None else None
 

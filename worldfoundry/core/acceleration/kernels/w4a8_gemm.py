@@ -179,7 +179,12 @@ if TRITON_AVAILABLE:
                                                                  "HAS_SMOOTH", "PAIRED"])(_w4a16_kernel)
 
 
-def _check_operands(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> tuple[int, bool]:
+def check_lowrank_operand(weight: SVDQuantWeight, t: torch.Tensor | None, m: int) -> tuple[int, bool]:
+    """``(padded rank, has low-rank)`` after checking the group size and ``t`` against ``weight``.
+
+    Raises:
+        QuantizationInputError: unsupported group size, unpadded rank, or ``t`` of the wrong shape/dtype.
+    """
     if weight.group_size not in SCALE_GROUPINGS:
         raise QuantizationInputError(
             f"svdquant GEMM: group_size {weight.group_size} is not 0 (per channel), 64 or 128")
@@ -249,7 +254,7 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     n = weight.out_features
     if q.dtype != torch.int8 or k != weight.in_features or not q.is_contiguous():
         raise QuantizationInputError(f"triton_w4a8_gemm: q must be contiguous int8 [M, {weight.in_features}]")
-    rank, has_lr = _check_operands(weight, t, m)
+    rank, has_lr = check_lowrank_operand(weight, t, m)
     channel = weight.group_size == PER_CHANNEL
     if channel:
         check_channel_k(k)
@@ -293,7 +298,7 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     n = weight.out_features
     if k != weight.in_features or x2d.stride(-1) != 1:
         raise QuantizationInputError(f"triton_w4a16_gemm: x must be [M, {weight.in_features}] with unit K stride")
-    rank, has_lr = _check_operands(weight, t, m)
+    rank, has_lr = check_lowrank_operand(weight, t, m)
     out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
     if m == 0:
         return out
@@ -313,4 +318,5 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     return out
 
 
-__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "triton_w4a16_gemm", "tile_key", "triton_w4a8_gemm", "w4a8_tile"]
+__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "check_lowrank_operand", "tile_key", "triton_w4a16_gemm",
+           "triton_w4a8_gemm", "w4a8_tile"]

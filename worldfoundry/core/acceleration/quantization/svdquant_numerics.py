@@ -50,7 +50,8 @@ from worldfoundry.core.acceleration.quantization.int4_packing import (
     quantize_int4_groupwise,
     unpack_int4,
 )
-from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.quantization.fp8 import quantize_rowwise_fp8
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8, smoothed_rows
 from worldfoundry.errors import QuantizationInputError
 
 #: Bounds of a smoothing factor.
@@ -273,6 +274,19 @@ def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.T
     return _finish(out, x, x2d, weight, bias)
 
 
+def w4f8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference W4F8 SVDQuant Linear: per-token FP8 e4m3 of ``x / λ`` (:func:`quantize_rowwise_fp8` of the smoothed
+    rows), the INT4 residual GEMM on those codes, low-rank, bias.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype (float32 math; the residual sum in float64, the kernel's in float32).
+    """
+    x2d = _rows(x, weight)
+    q, scale = quantize_rowwise_fp8(smoothed_rows(x2d, weight.inv_smooth))
+    out = int4_gemm_reference(q, scale, weight)
+    return _finish(out, x, x2d, weight, bias)
+
+
 def w4a16_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference W4A16 SVDQuant Linear: ``bf16(x / λ) @ bf16(deq(R)).T`` in float32, low-rank, bias.
 
@@ -314,5 +328,6 @@ __all__ = [
     "smoothing_factors",
     "w4a16_linear_reference",
     "w4a8_linear_reference",
+    "w4f8_linear_reference",
     "weight_rel_error",
 ]
