@@ -41,6 +41,13 @@ from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_qu
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import lowrank_down, pad_rank
 from worldfoundry.core.acceleration.kernels.w4a8_tuning import chosen_configs
+from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import (
+    activation_operand,
+    prepare_scaled_mm,
+    scaled_mm_w4f8,
+    unsupported_reason,
+    weight_operand,
+)
 from worldfoundry.core.acceleration.kernels.w4f8_gemm import (
     configs_for,
     expand_int4_to_fp8,
@@ -123,6 +130,43 @@ def _accuracy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, sq: Any, rtn: A
     entry["kernel_vs_reference_rel_l2"] = rel_l2(y.float(), ref)
 
 
+QUANT_SWEEP = [(1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]
+LOWRANK_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4), (32, 256, 4), (128, 64, 4)]
+
+
+def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8_out: torch.Tensor,
+            entry: dict[str, Any], producer: dict[str, Any] | None = None) -> dict[str, Callable[[], Any]]:
+    """The per-channel cuBLAS W4F8 path: totals (fast / strict accumulation), operands, the GEMM alone."""
+    if x.device.type != "cuda" or unsupported_reason(sq) is not None:
+        entry["cublas_skipped"] = unsupported_reason(sq) or "cpu"
+        return {}
+    prep = prepare_scaled_mm(sq)
+    quant = producer or {}
+
+    def operand() -> Any:
+        return activation_operand(x, sq, prep, **quant)
+
+    a, s = operand()
+    bw = weight_operand(sq, prep)
+    calls: dict[str, Callable[[], Any]] = {}
+    for fast in (True, False):
+        tag = "fast" if fast else "strict"
+        y = scaled_mm_w4f8(x, sq, prep, b, use_fast_accum=fast, activation_operand_pair=operand())
+        entry.setdefault("cublas_rel_l2", {})[tag] = {"vs_bf16": rel_l2(y.float(), dense),
+                                                      "vs_w4f8_bf16_lowrank_kernel": rel_l2(y.float(), w4f8_out.float())}
+        calls[f"cublas w4f8 total {tag}"] = lambda fast=fast: scaled_mm_w4f8(
+            x, sq, prep, b, use_fast_accum=fast, activation_operand_pair=operand())
+        calls[f"cublas _scaled_mm only {tag}"] = lambda fast=fast: torch._scaled_mm(
+            a, bw.t(), scale_a=s, scale_b=prep.scale_b, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    calls["cublas activation operand"] = operand
+    calls["cublas weight operand (expand + low-rank codes)"] = lambda: weight_operand(sq, prep)
+    plain = {k: v for k, v in quant.items() if k != "down_hat"}
+    for bm, warps in QUANT_SWEEP:
+        calls[f"quant sweep BLOCK_M {bm} warps {warps}"] = lambda bm=bm, warps=warps: launch_rowwise_fp8(
+            x, inv_smooth=sq.inv_smooth, config={"BLOCK_M": bm, "num_warps": warps}, **plain)
+    return calls
+
+
 def up_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n: int, mode: str) -> dict[str, Any]:
     group = MODES[mode]
     w, b, x = _inputs(device, m, k, n)
@@ -150,6 +194,7 @@ def up_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n: i
     }
     calls.update(_anchors(x, w, b))
     calls.update(_tiles(q, s, sq, t, b, wf, args, entry))
+    calls.update(_cublas(x, sq, b, F.linear(x, w, b).float(), y, entry))
     return _time(calls, device, args, entry)
 
 
@@ -194,6 +239,14 @@ def down_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n:
     }
     calls.update(_anchors(g_act, w, b))
     calls.update(_tiles(q, s, sq, t, b, wf, args, entry))
+    from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
+
+    activation, constants = _KERNEL_ARGS["tanh"]
+    producer = {"activation": activation, "constants": constants, "down_hat": d_hat}
+    calls.update(_cublas(h, sq, b, dense_fused, y, entry, producer))
+    for bm, bk, warps in LOWRANK_SWEEP if device.type == "cuda" else ():
+        calls[f"codes low-rank sweep {bm}x{bk} warps {warps}"] = lambda bm=bm, bk=bk, warps=warps: (
+            triton_codes_lowrank(q, s, d_hat, block_m=bm, block_k=bk, num_warps=warps))
     return _time(calls, device, args, entry)
 
 

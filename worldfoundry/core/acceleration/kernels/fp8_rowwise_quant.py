@@ -344,6 +344,8 @@ def launch_rowwise_fp8(
     store_activation: bool = False,
     config: dict[str, Any] | None = None,
     inv_smooth: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the kernel on already validated input (callers check dtype, device and the counter).
 
@@ -360,6 +362,9 @@ def launch_rowwise_fp8(
             does not depend on it.
         inv_smooth: optional float32 ``[K]`` multiplied into every column after the activation (SVDQuant's
             ``1 / λ``); the result is the reference of ``float32(act(x)) * inv_smooth``.
+        q_out / scale_out: optional FP8 ``[M, >= K]`` (unit column stride) and float32 ``[M, 1]`` buffers to
+            write into (the codes fill columns ``:K``; a wider buffer leaves the rest to the caller). The codes
+            are then returned as the 2-D ``[M, K]`` view of ``q_out``.
 
     Returns:
         ``(q, scale, activation_output_or_None)``.
@@ -369,8 +374,10 @@ def launch_rowwise_fp8(
     k = shape[-1]
     rows = _as_rows(x)
     m = rows.shape[0]
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q = _checked_out(q_out, (m, k), FP8_DTYPE, x.device) if q_out is not None else torch.empty(
+        (m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = _checked_out(scale_out, (m, 1), torch.float32, x.device) if scale_out is not None else torch.empty(
+        (m, 1), dtype=torch.float32, device=x.device)
     act = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if store_activation else None
     if m > 0:
         block_m, p0, p1, p2, block_k, single, num_warps = _config(int(k), int(activation))
@@ -396,7 +403,18 @@ def launch_rowwise_fp8(
                 raise QuantizationInputError(f"launch_rowwise_fp8: inv_smooth must be float32 [{k}] on {x.device}")
             kwargs.update(smooth_ptr=inv_smooth, HAS_SMOOTH=True)
         _launch_on(x.device, (triton.cdiv(m, block_m),), args, kwargs)
+    if q_out is not None:
+        return q[:, :k], scale, act
     return q.view(shape), scale.view(*shape[:-1], 1), act.view(shape) if act is not None else None
+
+
+def _checked_out(buf: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``buf`` when it can take ``shape`` rows (at least as many columns, unit column stride), else an error."""
+    if (buf.dtype != dtype or buf.device != device or buf.dim() != 2 or buf.shape[0] != shape[0]
+            or buf.shape[1] < shape[1] or buf.stride(1) != 1):
+        raise QuantizationInputError(f"launch_rowwise_fp8: output buffer must be {dtype} [{shape[0]}, >= {shape[1]}] "
+                                     f"with unit column stride on {device}")
+    return buf
 
 
 def triton_quantize_rowwise_fp8(

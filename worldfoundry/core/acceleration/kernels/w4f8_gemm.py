@@ -120,7 +120,7 @@ if TRITON_AVAILABLE:
                        False, WIDEN)
 
     @triton.jit
-    def _codes_lowrank_kernel(q_ptr, s_ptr, d_ptr, t_ptr, M, K, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _codes_lowrank_kernel(q_ptr, s_ptr, d_ptr, t_ptr, M, K, stride_q, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -130,7 +130,7 @@ if TRITON_AVAILABLE:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + kk
             cmask = cols < K
-            x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+            x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                         other=0.0).to(tl.bfloat16)
             d = tl.load(d_ptr + r[None, :] * K + cols[:, None], mask=cmask[:, None], other=0.0)
             acc = tl.dot(_widen(x, WIDEN), _widen(d, WIDEN), acc)
@@ -288,8 +288,9 @@ def lowrank_down_for_codes(weight: SVDQuantWeight) -> torch.Tensor | None:
 
 
 def triton_codes_lowrank(q: torch.Tensor, scale: torch.Tensor, down_hat: torch.Tensor, *, block_m: int = 64,
-                         block_k: int = 128) -> torch.Tensor:
-    """``t = s_x[m] * (float(q) @ D̂.T)`` as bfloat16 ``[M, r]`` from FP8 codes (:func:`lowrank_down_for_codes`).
+                         block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """``t = s_x[m] * (float(q) @ D̂.T)`` as bfloat16 ``[M, r]`` from FP8 codes (:func:`lowrank_down_for_codes`);
+    ``q`` may be a column slice of a wider buffer (unit column stride).
 
     Raises:
         QuantizationInputError: triton missing or mismatched operands.
@@ -297,15 +298,15 @@ def triton_codes_lowrank(q: torch.Tensor, scale: torch.Tensor, down_hat: torch.T
     _check_triton(q, "triton_codes_lowrank")
     m, k = q.shape
     rank = down_hat.shape[0]
-    if q.dtype != FP8_DTYPE or not q.is_contiguous() or down_hat.shape != (rank, k) or scale.shape != (m, 1):
+    if q.dtype != FP8_DTYPE or q.stride(1) != 1 or down_hat.shape != (rank, k) or scale.shape != (m, 1):
         raise QuantizationInputError(f"triton_codes_lowrank: q float8 [M, {k}], D̂ [{rank}, {k}], scale [M, 1]")
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=q.device)
     if m:
         if interpreter_enabled():
             block_m, block_k = 16, 32
-        _codes_lowrank_kernel[(triton.cdiv(m, block_m),)](q, scale, down_hat, t, m, k, RANK=rank, BLOCK_M=block_m,
-                                                          BLOCK_K=block_k, WIDEN=q.device.type != "cuda",
-                                                          num_warps=4)
+        _codes_lowrank_kernel[(triton.cdiv(m, block_m),)](q, scale, down_hat, t, m, k, q.stride(0), RANK=rank,
+                                                          BLOCK_M=block_m, BLOCK_K=block_k,
+                                                          WIDEN=q.device.type != "cuda", num_warps=num_warps)
     return t
 
 
