@@ -35,21 +35,27 @@ def main() -> None:
         try:
             prep = S.prepare_scaled_mm(sq)
         except Exception as exc:
-            down = sq.lora_down.float() / sq.inv_smooth.float()[None, :]
-            lower = down.abs().sum(1)
-            upper = 448 / (sq.lora_up.float() / sq.scales.float().reshape(-1, 1)).abs().amax(0)
-            print(k, n, "prepare:", exc, "lower/upper", (lower / upper)[:8].tolist())
+            print(k, n, "prepare:", exc)
             continue
         print(k, n, "alpha", prep.alpha[:4].tolist(), "scale_b", prep.scale_b.flatten()[:4].tolist())
         a, s = S.activation_operand(x, sq, prep)
         bw = S.weight_operand(sq, prep)
         codes = unpack_int4(sq.qweight, 0)
-        print("  expand equal:", bool(torch.equal(bw[:, :k].float(), codes.float() * 1.0)),
-              "max diff", float((bw[:, :k].float() - codes.float()).abs().max()))
+        step = torch.exp2(prep.exponents.float())[:, None]
+        print("  expand equal:", bool(torch.equal(bw[:, :k].float() * step, codes.float())),
+              "max diff", float((bw[:, :k].float() * step - codes.float()).abs().max()))
         qr, sr = quantize_rowwise_fp8(smoothed_rows(x, sq.inv_smooth))
         print("  act codes equal:", bool(torch.equal(a[:, :k].view(torch.uint8), qr.view(torch.uint8))),
               "scales equal:", bool(torch.equal(s, sr)))
         t = lowrank_down(x, sq).float()
+        av = t / (s * prep.alpha[None, :])
+        head = av.clamp(-448, 448).to(torch.float8_e4m3fn)
+        r = prep.rank
+        print("  appended a head equal:", bool(torch.equal(a[:, k:k + r].view(torch.uint8), head.view(torch.uint8))),
+              "rel", rel(a[:, k:k + r].float(), av), " third block equal head:",
+              bool(torch.equal(a[:, k + 2 * r:].view(torch.uint8), head.view(torch.uint8))))
+        print("  appended u equal:", bool(torch.equal(bw[:, k:].view(torch.uint8), prep.up_codes.view(torch.uint8))),
+              "exponents", None if getattr(prep, "exponents", None) is None else prep.exponents.unique().tolist())
         lr_exact = t @ sq.lora_up.float().t()
         lr_codes = (a[:, k:].float() @ bw[:, k:].float().t()) * s * prep.scale_b
         print("  low-rank from appended codes rel:", rel(lr_codes, lr_exact))

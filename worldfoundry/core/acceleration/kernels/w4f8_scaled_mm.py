@@ -13,10 +13,12 @@ scaled FP8 GEMM when the low-rank branch is appended to the reduction dimension:
     B = [c_R | u],   u[n, r] = U[n, r] * α_r / s_w[n]            (N, K + ...)
     out = torch._scaled_mm(A, B.T, scale_a=s_x, scale_b=s_w, bias=b)
 
-``α_r`` keeps both appended operands inside FP8's range: ``|t[m, r]| <= 448 * s_x[m] * ||D̂_r||_1`` (``D̂ = D * λ``
-acts on the smoothed rows whose maximum ``s_x`` maps to 448), so ``α_r >= ||D̂_r||_1`` never saturates ``a``, and
-``α_r <= 448 / max_n |U[n, r] / s_w[n]|`` never saturates ``u``; ``α_r`` is the geometric mean of the two bounds
-(:func:`prepare_scaled_mm`; when the lower bound exceeds the upper one the weight is refused with the reason).
+``α_r = ||D̂_r||_1`` keeps ``a`` inside FP8's range: ``|t[m, r]| <= 448 * s_x[m] * ||D̂_r||_1`` (``D̂ = D * λ``
+acts on the smoothed rows, whose maximum ``s_x`` maps to 448). ``u`` can then exceed 448; an output channel whose
+``max_r |u[n, r]|`` does so gets an exponent ``e_n`` (at most :data:`MAX_EXPONENT`): its residual codes are
+stored as ``c * 2**-e_n`` (exact in e4m3, down to the subnormal grid ``2**-9``), its ``u`` divided by ``2**e_n``
+and its scale multiplied by ``2**e_n`` (:func:`prepare_scaled_mm`; a weight that needs more is refused with the
+reason).
 
 One FP8 e4m3 code per low-rank term would keep 3 mantissa bits (a low-rank branch 11.6 % off on random weights,
 where it carries 70 % of the output). So each appended operand is split into a head and a tail code, ``a = a_h +
@@ -54,22 +56,26 @@ from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import QuantizationInputError
 
-#: ``torch._scaled_mm`` needs ``K + r`` and ``N`` to be multiples of this.
+#: ``torch._scaled_mm`` needs ``K + 3 r`` and ``N`` to be multiples of this.
 ALIGN: Final = 16
+#: Largest per-channel exponent: ``c * 2**-9`` is still exact in e4m3 (its subnormal grid).
+MAX_EXPONENT: Final = 9
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _expand_lut_kernel(wq_ptr, lut_ptr, out_ptr, N, KH, stride_out, BLOCK_N: tl.constexpr,
+    def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, out_ptr, N, KH, stride_out, BLOCK_N: tl.constexpr,
                            BLOCK_J: tl.constexpr):
-        """Packed byte ``j`` of row ``n`` -> two FP8 codes at ``2j, 2j + 1`` (one int16 store)."""
+        """Packed byte ``j`` of row ``n`` -> two FP8 codes ``c * 2**-e_n`` at ``2j, 2j + 1`` (one int16 store)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-        mask = (rows < N)[:, None] & (cols < KH)[None, :]
+        rmask = rows < N
+        mask = rmask[:, None] & (cols < KH)[None, :]
         p = tl.load(wq_ptr + rows.to(tl.int64)[:, None] * KH + cols[None, :], mask=mask, other=0)
-        pair = tl.load(lut_ptr + (p.to(tl.int32) & 0xFF), mask=mask, other=0)
+        e = tl.load(exp_ptr + rows, mask=rmask, other=0)
+        pair = tl.load(lut_ptr + e[:, None] * 256 + (p.to(tl.int32) & 0xFF), mask=mask, other=0)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], pair, mask=mask)
 
     @triton.jit
@@ -97,12 +103,14 @@ class ScaledMMWeight:
     """What :func:`scaled_mm_w4f8` needs beside the :class:`SVDQuantWeight` (built once per Linear).
 
     Attributes:
-        scale_b: float32 ``[1, N]`` = the residual's per-channel scales.
+        scale_b: float32 ``[1, N]`` = the residual's per-channel scales times ``2**e_n``.
+        exponents: int32 ``[N]``, the ``e_n``.
         alpha: float32 ``[r]`` (``None`` for rank 0).
         up_codes: FP8 ``[N, 3 r]`` = ``[u_h | u_h / 16 | u_t / 16]`` of ``u = U * α / s_w`` (``None`` for rank 0).
     """
 
     scale_b: torch.Tensor
+    exponents: torch.Tensor
     alpha: torch.Tensor | None
     up_codes: torch.Tensor | None
 
@@ -135,47 +143,55 @@ def prepare_scaled_mm(weight: SVDQuantWeight) -> ScaledMMWeight:
     reason = unsupported_reason(weight)
     if reason is not None:
         raise QuantizationInputError(f"svdquant W4F8 (cuBLAS): {reason}")
-    scale_b = weight.scales.float().reshape(1, -1).contiguous()
+    scale = weight.scales.float().reshape(1, -1)
     if weight.lora_down is None or weight.lora_up is None:
-        return ScaledMMWeight(scale_b, None, None)
+        zeros = torch.zeros(weight.out_features, dtype=torch.int32, device=weight.device)
+        return ScaledMMWeight(scale.contiguous(), zeros, None, None)
     down = weight.lora_down.float()
     if weight.inv_smooth is not None:
         down = down / weight.inv_smooth.float()[None, :]
-    lower = down.abs().sum(dim=1).clamp_min(1e-30)                                   # ||D̂_r||_1
-    up_ratio = (weight.lora_up.float() / scale_b.t()).abs().amax(dim=0).clamp_min(1e-30)
-    upper = FP8_E4M3_MAX / up_ratio
-    bad = torch.nonzero(lower > upper).flatten().tolist()
-    if bad:
-        raise QuantizationInputError(f"svdquant W4F8 (cuBLAS): low-rank columns {bad[:4]} do not fit FP8 at any "
-                                     "scale; use the Triton W4F8 or W4A8 kernels")
-    alpha = torch.sqrt(lower * upper).contiguous()
-    u = (weight.lora_up.float() * alpha[None, :] / scale_b.t()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    alpha = down.abs().sum(dim=1).clamp_min(1e-30).contiguous()                      # ||D̂_r||_1
+    u = weight.lora_up.float() * alpha[None, :] / scale.t()
+    need = torch.ceil(torch.log2(u.abs().amax(dim=1).clamp_min(1e-30) / FP8_E4M3_MAX)).clamp_min(0)
+    if float(need.max()) > MAX_EXPONENT:
+        worst = int(need.argmax())
+        raise QuantizationInputError(f"svdquant W4F8 (cuBLAS): output channel {worst}'s low-rank factors need a "
+                                     f"scale 2**{int(need.max())} beyond 2**{MAX_EXPONENT}; use the Triton W4F8 or "
+                                     "W4A8 kernels")
+    step = torch.exp2(need)
+    u = (u / step[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     head = u.to(FP8_DTYPE).float()
     tail = ((u - head) * 16.0).to(FP8_DTYPE).float()
-    up_codes = torch.cat([head, head / 16.0, tail / 16.0], dim=1).to(FP8_DTYPE)
-    return ScaledMMWeight(scale_b, alpha, up_codes.contiguous())
+    up_codes = torch.cat([head, head / 16.0, tail / 16.0], dim=1).to(FP8_DTYPE).contiguous()
+    return ScaledMMWeight((scale * step[None, :]).contiguous(), need.to(torch.int32).contiguous(), alpha, up_codes)
 
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(device: torch.device) -> torch.Tensor:
-    """int16 ``[256]``: packed byte -> its two codes as FP8 bytes (low nibble in the low byte)."""
+    """int16 ``[MAX_EXPONENT + 1, 256]``: (exponent, packed byte) -> its two codes ``c * 2**-e`` as FP8 bytes (low
+    nibble in the low byte)."""
     b = torch.arange(256, dtype=torch.int32)
-    lo = ((b & 0xF) ^ 8) - 8
-    hi = ((b >> 4) ^ 8) - 8
-    lo8 = lo.float().to(FP8_DTYPE).view(torch.uint8).to(torch.int32)
-    hi8 = hi.float().to(FP8_DTYPE).view(torch.uint8).to(torch.int32)
-    return ((hi8 << 8) | lo8).to(torch.int16).to(device)
+    lo = (((b & 0xF) ^ 8) - 8).float()
+    hi = (((b >> 4) ^ 8) - 8).float()
+    rows = []
+    for e in range(MAX_EXPONENT + 1):
+        lo8 = (lo * 2.0**-e).to(FP8_DTYPE).view(torch.uint8).to(torch.int32)
+        hi8 = (hi * 2.0**-e).to(FP8_DTYPE).view(torch.uint8).to(torch.int32)
+        rows.append(((hi8 << 8) | lo8).to(torch.int16))
+    return torch.stack(rows).contiguous().to(device)
 
 
-def expand_codes_into(weight: SVDQuantWeight, out: torch.Tensor, *, block_n: int = 32, block_j: int = 256) -> None:
-    """Write the residual's codes as FP8 into ``out[:, :K]`` (``out``: FP8 ``[N, >= K]``, even row stride)."""
+def expand_codes_into(weight: SVDQuantWeight, exponents: torch.Tensor, out: torch.Tensor, *, block_n: int = 32,
+                      block_j: int = 256) -> None:
+    """Write the residual's codes ``c * 2**-e_n`` as FP8 into ``out[:, :K]`` (``out``: FP8 ``[N, >= K]``, even row
+    stride; ``exponents``: int32 ``[N]``)."""
     n, k = weight.out_features, weight.in_features
     kh = k // 2
     if out.stride(1) != 1 or out.stride(0) % 2 or out.shape[0] != n or out.shape[1] < k:
         raise QuantizationInputError(f"expand_codes_into: out must be FP8 [{n}, >= {k}] with an even row stride")
     pairs = out.view(torch.int16) if out.is_contiguous() else out.as_strided(out.shape, out.stride()).view(torch.int16)
     grid = (triton.cdiv(n, block_n), triton.cdiv(kh, block_j))
-    _expand_lut_kernel[grid](weight.qweight, _pair_table(out.device), pairs, n, kh, out.stride(0) // 2,
+    _expand_lut_kernel[grid](weight.qweight, exponents, _pair_table(out.device), pairs, n, kh, out.stride(0) // 2,
                              BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4)
 
 
@@ -183,7 +199,7 @@ def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight) -> torch.Tensor
     """``B = [c_R | u_h | u_h / 16 | u_t / 16]`` as FP8 ``[N, K + 3 r]`` (a transient built for one call)."""
     n, k = weight.out_features, weight.in_features
     out = torch.empty((n, k + prep.extra), dtype=FP8_DTYPE, device=weight.device)
-    expand_codes_into(weight, out)
+    expand_codes_into(weight, prep.exponents, out)
     if prep.rank:
         out[:, k:] = prep.up_codes
     return out
@@ -237,5 +253,5 @@ def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeig
     return out
 
 
-__all__ = ["ALIGN", "ScaledMMWeight", "activation_operand", "expand_codes_into", "prepare_scaled_mm",
+__all__ = ["ALIGN", "MAX_EXPONENT", "ScaledMMWeight", "activation_operand", "expand_codes_into", "prepare_scaled_mm",
            "scaled_mm_w4f8", "unsupported_reason", "weight_operand"]
