@@ -130,6 +130,10 @@ def _accuracy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, sq: Any, rtn: A
     entry["kernel_vs_reference_rel_l2"] = rel_l2(y.float(), ref)
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 QUANT_SWEEP = [(1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]
 LOWRANK_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4), (32, 256, 4), (128, 64, 4)]
 
@@ -160,6 +164,19 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
             a, bw.t(), scale_a=s, scale_b=prep.scale_b, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast)
     calls["cublas activation operand"] = operand
     calls["cublas weight operand (expand + low-rank codes)"] = lambda: weight_operand(sq, prep)
+    from worldfoundry.core.acceleration.kernels import w4f8_scaled_mm as sm
+
+    k = sq.in_features
+    t_in = lowrank_down(x, sq) if producer is None else torch.zeros(x.shape[0], prep.rank, dtype=torch.bfloat16,
+                                                                    device=x.device)
+    grid = (triton_cdiv(x.shape[0], 64),)
+    calls["cublas appended a-codes kernel only"] = lambda: sm._lowrank_codes_kernel[grid](
+        t_in, s, prep.alpha, a[:, k:], x.shape[0], a.stride(0), RANK=prep.rank, BLOCK_M=64, num_warps=4)
+    calls["cublas expand only"] = lambda: sm.expand_codes_into(sq, prep.exponents, bw)
+    for bn, bj in ((32, 256), (64, 128), (16, 512), (64, 256)):
+        calls[f"cublas expand only {bn}x{bj}"] = lambda bn=bn, bj=bj: sm.expand_codes_into(
+            sq, prep.exponents, bw, block_n=bn, block_j=bj)
+    calls["cublas appended u copy only"] = lambda: bw[:, k:].copy_(prep.up_codes)
     plain = {k: v for k, v in quant.items() if k != "down_hat"}
     for bm, warps in QUANT_SWEEP:
         calls[f"quant sweep BLOCK_M {bm} warps {warps}"] = lambda bm=bm, warps=warps: launch_rowwise_fp8(

@@ -51,6 +51,9 @@ def main() -> None:
         av = t / (s * prep.alpha[None, :])
         head = av.clamp(-448, 448).to(torch.float8_e4m3fn)
         r = prep.rank
+        tail = ((av.clamp(-448, 448) - head.float()) * 16).to(torch.float8_e4m3fn)
+        print("  appended a tail equal:", bool(torch.equal(a[:, k + r:k + 2 * r].view(torch.uint8),
+                                                            tail.view(torch.uint8))))
         print("  appended a head equal:", bool(torch.equal(a[:, k:k + r].view(torch.uint8), head.view(torch.uint8))),
               "rel", rel(a[:, k:k + r].float(), av), " third block equal head:",
               bool(torch.equal(a[:, k + 2 * r:].view(torch.uint8), head.view(torch.uint8))))

@@ -65,6 +65,8 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
+    from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _round_to_e4m3_grid
+
     @triton.jit
     def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, out_ptr, N, KH, stride_out, BLOCK_N: tl.constexpr,
                            BLOCK_J: tl.constexpr):
@@ -90,12 +92,14 @@ if TRITON_AVAILABLE:
         alpha = tl.load(alpha_ptr + r)
         a = t.to(tl.float32) / (s[:, None] * alpha[None, :])
         a = tl.minimum(tl.maximum(a, -448.0), 448.0)
-        head = a.to(tl.float8e4nv)
-        tail = ((a - head.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+        # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (the head is
+        # not read back from FP8: the compiled fp8 -> fp32 round trip gave wrong tails on sm_90)
+        head = _round_to_e4m3_grid(a)
+        tail = _round_to_e4m3_grid((a - head) * 16.0)
         base = a_ptr + rows.to(tl.int64)[:, None] * stride_a + r[None, :]
-        tl.store(base, head, mask=rmask[:, None])
-        tl.store(base + RANK, tail, mask=rmask[:, None])
-        tl.store(base + 2 * RANK, head, mask=rmask[:, None])
+        tl.store(base, head.to(tl.float8e4nv), mask=rmask[:, None])
+        tl.store(base + RANK, tail.to(tl.float8e4nv), mask=rmask[:, None])
+        tl.store(base + 2 * RANK, head.to(tl.float8e4nv), mask=rmask[:, None])
 
 
 @dataclass(frozen=True)
