@@ -130,21 +130,23 @@ def _accuracy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, sq: Any, rtn: A
     entry["kernel_vs_reference_rel_l2"] = rel_l2(y.float(), ref)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-QUANT_SWEEP = [(1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]
-LOWRANK_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4), (32, 256, 4), (128, 64, 4)]
+QUANT_SWEEP: dict[str, dict[str, Any]] = {
+    "1 row 4 warps": {"BLOCK_M": 1, "num_warps": 4}, "4 rows 8 warps": {"BLOCK_M": 4, "num_warps": 8},
+    "two-pass 8 rows x 1024": {"SINGLE_PASS": False, "BLOCK_M": 8, "BLOCK_K": 1024, "num_warps": 8},
+    "two-pass 4 rows x 2048": {"SINGLE_PASS": False, "BLOCK_M": 4, "BLOCK_K": 2048, "num_warps": 8},
+    "two-pass 16 rows x 512": {"SINGLE_PASS": False, "BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8},
+    "two-pass 2 rows x 4096": {"SINGLE_PASS": False, "BLOCK_M": 2, "BLOCK_K": 4096, "num_warps": 8},
+}
 
 
 def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8_out: torch.Tensor,
             entry: dict[str, Any], producer: dict[str, Any] | None = None) -> dict[str, Callable[[], Any]]:
-    """The per-channel cuBLAS W4F8 path: totals (fast / strict accumulation), operands, the GEMM alone."""
+    """The per-channel cuBLAS W4F8 path: totals (fast / strict accumulation), operands, the GEMM alone, sweeps."""
     if x.device.type != "cuda" or unsupported_reason(sq) is not None:
         entry["cublas_skipped"] = unsupported_reason(sq) or "cpu"
         return {}
     prep = prepare_scaled_mm(sq)
+    entry["cublas_exponents"] = prep.exponents.unique().tolist()
     quant = producer or {}
 
     def operand() -> Any:
@@ -163,24 +165,16 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
         calls[f"cublas _scaled_mm only {tag}"] = lambda fast=fast: torch._scaled_mm(
             a, bw.t(), scale_a=s, scale_b=prep.scale_b, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast)
     calls["cublas activation operand"] = operand
-    calls["cublas weight operand (expand + low-rank codes)"] = lambda: weight_operand(sq, prep)
-    from worldfoundry.core.acceleration.kernels import w4f8_scaled_mm as sm
-
-    k = sq.in_features
-    t_in = lowrank_down(x, sq) if producer is None else torch.zeros(x.shape[0], prep.rank, dtype=torch.bfloat16,
-                                                                    device=x.device)
-    grid = (triton_cdiv(x.shape[0], 64),)
-    calls["cublas appended a-codes kernel only"] = lambda: sm._lowrank_codes_kernel[grid](
-        t_in, s, prep.alpha, a[:, k:], x.shape[0], a.stride(0), RANK=prep.rank, BLOCK_M=64, num_warps=4)
-    calls["cublas expand only"] = lambda: sm.expand_codes_into(sq, prep.exponents, bw)
+    for bm, bk in ((64, 128), (128, 128), (64, 256), (32, 256)):
+        calls[f"cublas activation operand, appended {bm}x{bk}"] = lambda bm=bm, bk=bk: activation_operand(
+            x, sq, prep, block_m=bm, block_k=bk, **quant)
     for bn, bj in ((32, 256), (64, 128), (16, 512), (64, 256)):
-        calls[f"cublas expand only {bn}x{bj}"] = lambda bn=bn, bj=bj: sm.expand_codes_into(
-            sq, prep.exponents, bw, block_n=bn, block_j=bj)
-    calls["cublas appended u copy only"] = lambda: bw[:, k:].copy_(prep.up_codes)
-    plain = {k: v for k, v in quant.items() if k != "down_hat"}
-    for bm, warps in QUANT_SWEEP:
-        calls[f"quant sweep BLOCK_M {bm} warps {warps}"] = lambda bm=bm, warps=warps: launch_rowwise_fp8(
-            x, inv_smooth=sq.inv_smooth, config={"BLOCK_M": bm, "num_warps": warps}, **plain)
+        calls[f"cublas weight operand {bn}x{bj}"] = lambda bn=bn, bj=bj: weight_operand(sq, prep, block_n=bn,
+                                                                                       block_j=bj)
+    for name, cfg in QUANT_SWEEP.items():
+        calls[f"quant sweep {name}"] = lambda cfg=cfg: launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth, config=cfg,
+                                                                          **quant)
+    calls["quant without smoothing"] = lambda: launch_rowwise_fp8(x, **quant)
     return calls
 
 
@@ -259,11 +253,8 @@ def down_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n:
     from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
 
     activation, constants = _KERNEL_ARGS["tanh"]
-    producer = {"activation": activation, "constants": constants, "down_hat": d_hat}
+    producer = {"activation": activation, "constants": constants}
     calls.update(_cublas(h, sq, b, dense_fused, y, entry, producer))
-    for bm, bk, warps in LOWRANK_SWEEP if device.type == "cuda" else ():
-        calls[f"codes low-rank sweep {bm}x{bk} warps {warps}"] = lambda bm=bm, bk=bk, warps=warps: (
-            triton_codes_lowrank(q, s, d_hat, block_m=bm, block_k=bk, num_warps=warps))
     return _time(calls, device, args, entry)
 
 

@@ -48,7 +48,7 @@ def main() -> None:
         print("  act codes equal:", bool(torch.equal(a[:, :k].view(torch.uint8), qr.view(torch.uint8))),
               "scales equal:", bool(torch.equal(s, sr)))
         t = lowrank_down(x, sq).float()
-        av = t / (s * prep.alpha[None, :])
+        av = (a[:, :k].float() @ prep.down_hat.float().t()) / prep.alpha[None, :]
         head = av.clamp(-448, 448).to(torch.float8_e4m3fn)
         r = prep.rank
         tail = ((av.clamp(-448, 448) - head.float()) * 16).to(torch.float8_e4m3fn)
@@ -67,7 +67,7 @@ def main() -> None:
             y = torch._scaled_mm(a, bw.t(), scale_a=s, scale_b=prep.scale_b, out_dtype=torch.bfloat16,
                                  use_fast_accum=fast)
             print("  _scaled_mm fast=%s vs fp32 emulation rel:" % fast, rel(y, emu))
-        ref = w4f8_linear_reference(x, sq, None).float()
+        ref = w4f8_linear_reference(x, sq, None, lowrank_from_codes=True).float()
         print("  emulation vs reference rel:", rel(emu, ref), " reference vs bf16:", rel(ref, F.linear(x, w)))
 
 

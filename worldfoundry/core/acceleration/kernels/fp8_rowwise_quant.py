@@ -358,8 +358,9 @@ def launch_rowwise_fp8(
             interpreter).
         portable_math: tanh/erf without libdevice (default: only under the interpreter, which has none).
         store_activation: also return the activation output (bfloat16; for tests and benchmarks).
-        config: override of :func:`launch_config`'s ``BLOCK_M``/``num_warps`` (benchmark sweeps); the result
-            does not depend on it.
+        config: override of :func:`launch_config`'s ``BLOCK_M``/``num_warps``, and ``SINGLE_PASS: False`` with
+            a ``BLOCK_K`` chunk for two passes over a row that would fit one (benchmark sweeps); the result does
+            not depend on it.
         inv_smooth: optional float32 ``[K]`` multiplied into every column after the activation (SVDQuant's
             ``1 / λ``); the result is the reference of ``float32(act(x)) * inv_smooth``.
         q_out / scale_out: optional FP8 ``[M, >= K]`` (unit column stride) and float32 ``[M, 1]`` buffers to
@@ -384,6 +385,9 @@ def launch_rowwise_fp8(
         if config:
             block_m = int(config.get("BLOCK_M", block_m))
             num_warps = int(config.get("num_warps", num_warps))
+            if config.get("SINGLE_PASS", single) is False and single:  # two passes over BLOCK_K chunks instead
+                single, block_k = False, int(config.get("BLOCK_K", MULTI_PASS_BLOCK_K))
+                p0, p1, p2 = block_k, 0, 0
         counter = clip_counter if clip_counter is not None else scale
         act_arg = act if act is not None else q
         args = (

@@ -30,8 +30,11 @@ matter are appended -- ``3 r`` columns::
 (``a_t * u_t`` is dropped, ``2**-8`` of the branch). On random weights the branch is then 0.11 % off the bfloat16
 one (``tests``; the GPU benchmark measures the whole Linear against the bf16 low-rank W4F8 kernel).
 
-The codes ``c_R`` are widened to FP8 for every call (:func:`expand_codes_into`: one table lookup per packed
-byte, 2 bytes written); the resident weight stays INT4 (``B`` is a transient of ``N * (K + r)`` bytes).
+The codes ``c_R`` are widened to FP8 for every call (:func:`weight_operand`: one table lookup per packed byte, 2
+bytes written, in the launch that copies the appended codes); the resident weight stays INT4 (``B`` is a
+transient of ``N * (K + 3 r)`` bytes). The appended activation codes come from the row codes themselves
+(:func:`activation_operand`: ``a = (q_x @ D̂.T) / α``, so the low-rank branch sees the same FP8 activations as
+the residual, and no bfloat16 ``x @ D.T`` is formed).
 
 Example (CUDA)::
 
@@ -46,11 +49,9 @@ from dataclasses import dataclass
 from typing import Final
 
 import torch
-import torch.nn.functional as F
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
-from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE
-from worldfoundry.core.acceleration.kernels.w4f8_gemm import triton_codes_lowrank
+from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.core.acceleration.quantization.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
@@ -66,37 +67,50 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _round_to_e4m3_grid
+    from worldfoundry.core.acceleration.kernels.w4a8_tiles import _widen
 
     @triton.jit
-    def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, out_ptr, N, KH, stride_out, BLOCK_N: tl.constexpr,
+    def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, up_ptr, out_ptr, N, KH, EH, stride_out, BLOCK_N: tl.constexpr,
                            BLOCK_J: tl.constexpr):
-        """Packed byte ``j`` of row ``n`` -> two FP8 codes ``c * 2**-e_n`` at ``2j, 2j + 1`` (one int16 store)."""
+        """Pair column ``j < KH`` of row ``n``: packed byte ``j`` -> the two FP8 codes ``c * 2**-e_n`` at ``2j, 2j + 1``
+        (one int16 store); ``KH <= j < KH + EH``: the appended weight codes, copied (int16 pairs)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         rmask = rows < N
-        mask = rmask[:, None] & (cols < KH)[None, :]
-        p = tl.load(wq_ptr + rows.to(tl.int64)[:, None] * KH + cols[None, :], mask=mask, other=0)
+        rows64 = rows.to(tl.int64)
+        codes = rmask[:, None] & (cols < KH)[None, :]
+        extra = rmask[:, None] & (cols >= KH)[None, :] & (cols < KH + EH)[None, :]
+        p = tl.load(wq_ptr + rows64[:, None] * KH + cols[None, :], mask=codes, other=0)
         e = tl.load(exp_ptr + rows, mask=rmask, other=0)
-        pair = tl.load(lut_ptr + e[:, None] * 256 + (p.to(tl.int32) & 0xFF), mask=mask, other=0)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], pair, mask=mask)
+        pair = tl.load(lut_ptr + e[:, None] * 256 + (p.to(tl.int32) & 0xFF), mask=codes, other=0)
+        up = tl.load(up_ptr + rows64[:, None] * EH + (cols - KH)[None, :], mask=extra, other=0)
+        tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], tl.where(codes, pair, up), mask=codes | extra)
 
     @triton.jit
-    def _lowrank_codes_kernel(t_ptr, s_ptr, alpha_ptr, a_ptr, M, stride_a, RANK: tl.constexpr,
-                              BLOCK_M: tl.constexpr):
-        """``[a_h | a_t | a_h]`` of ``a = t / (s_x * α)`` into the ``3 r`` appended columns of ``A``."""
+    def _appended_codes_kernel(a_ptr, d_ptr, alpha_ptr, M, K, stride_a, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
+        """``a = (q_x @ D̂.T) / α`` from the row codes in ``A[:, :K]`` (``s_x`` cancels), written as
+        ``[a_h | a_t | a_h]`` into ``A[:, K:K + 3r]``."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        r = tl.arange(0, RANK)
         rmask = rows < M
-        t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * RANK + r[None, :], mask=rmask[:, None], other=0.0)
-        s = tl.load(s_ptr + rows, mask=rmask, other=1.0)
-        alpha = tl.load(alpha_ptr + r)
-        a = t.to(tl.float32) / (s[:, None] * alpha[None, :])
+        rows64 = rows.to(tl.int64)
+        r = tl.arange(0, RANK)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + kk
+            cmask = cols < K
+            q = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                        other=0.0).to(tl.bfloat16)
+            d = tl.load(d_ptr + r[None, :] * K + cols[:, None], mask=cmask[:, None], other=0.0)
+            acc = tl.dot(_widen(q, WIDEN), _widen(d, WIDEN), acc)
+        a = acc / tl.load(alpha_ptr + r)[None, :]
         a = tl.minimum(tl.maximum(a, -448.0), 448.0)
-        # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (the head is
-        # not read back from FP8: the compiled fp8 -> fp32 round trip gave wrong tails on sm_90)
+        # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (an fp8 -> fp32
+        # read-back of the head gave wrong tails on sm_90)
         head = _round_to_e4m3_grid(a)
         tail = _round_to_e4m3_grid((a - head) * 16.0)
-        base = a_ptr + rows.to(tl.int64)[:, None] * stride_a + r[None, :]
+        base = a_ptr + rows64[:, None] * stride_a + K + r[None, :]
         tl.store(base, head.to(tl.float8e4nv), mask=rmask[:, None])
         tl.store(base + RANK, tail.to(tl.float8e4nv), mask=rmask[:, None])
         tl.store(base + 2 * RANK, head.to(tl.float8e4nv), mask=rmask[:, None])
@@ -110,6 +124,7 @@ class ScaledMMWeight:
         scale_b: float32 ``[1, N]`` = the residual's per-channel scales times ``2**e_n``.
         exponents: int32 ``[N]``, the ``e_n``.
         alpha: float32 ``[r]`` (``None`` for rank 0).
+        down_hat: bfloat16 ``[r, K]`` = ``D * λ``, the down projection of the smoothed codes (``None`` for rank 0).
         up_codes: FP8 ``[N, 3 r]`` = ``[u_h | u_h / 16 | u_t / 16]`` of ``u = U * α / s_w`` (``None`` for rank 0).
     """
 
@@ -117,6 +132,7 @@ class ScaledMMWeight:
     exponents: torch.Tensor
     alpha: torch.Tensor | None
     up_codes: torch.Tensor | None
+    down_hat: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -167,7 +183,8 @@ def prepare_scaled_mm(weight: SVDQuantWeight) -> ScaledMMWeight:
     head = u.to(FP8_DTYPE).float()
     tail = ((u - head) * 16.0).to(FP8_DTYPE).float()
     up_codes = torch.cat([head, head / 16.0, tail / 16.0], dim=1).to(FP8_DTYPE).contiguous()
-    return ScaledMMWeight((scale * step[None, :]).contiguous(), need.to(torch.int32).contiguous(), alpha, up_codes)
+    return ScaledMMWeight((scale * step[None, :]).contiguous(), need.to(torch.int32).contiguous(), alpha, up_codes,
+                          down.to(torch.bfloat16).contiguous())
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,57 +202,43 @@ def _pair_table(device: torch.device) -> torch.Tensor:
     return torch.stack(rows).contiguous().to(device)
 
 
-def expand_codes_into(weight: SVDQuantWeight, exponents: torch.Tensor, out: torch.Tensor, *, block_n: int = 32,
-                      block_j: int = 256) -> None:
-    """Write the residual's codes ``c * 2**-e_n`` as FP8 into ``out[:, :K]`` (``out``: FP8 ``[N, >= K]``, even row
-    stride; ``exponents``: int32 ``[N]``)."""
-    n, k = weight.out_features, weight.in_features
-    kh = k // 2
-    if out.stride(1) != 1 or out.stride(0) % 2 or out.shape[0] != n or out.shape[1] < k:
-        raise QuantizationInputError(f"expand_codes_into: out must be FP8 [{n}, >= {k}] with an even row stride")
-    pairs = out.view(torch.int16) if out.is_contiguous() else out.as_strided(out.shape, out.stride()).view(torch.int16)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(kh, block_j))
-    _expand_lut_kernel[grid](weight.qweight, exponents, _pair_table(out.device), pairs, n, kh, out.stride(0) // 2,
-                             BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4)
-
-
-def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight) -> torch.Tensor:
-    """``B = [c_R | u_h | u_h / 16 | u_t / 16]`` as FP8 ``[N, K + 3 r]`` (a transient built for one call)."""
+def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_n: int = 32,
+                   block_j: int = 256) -> torch.Tensor:
+    """``B = [c_R * 2**-e | u_h | u_h / 16 | u_t / 16]`` as FP8 ``[N, K + 3 r]``: a transient built for one call,
+    in one launch (the codes widened by table lookup, the appended codes copied)."""
     n, k = weight.out_features, weight.in_features
     out = torch.empty((n, k + prep.extra), dtype=FP8_DTYPE, device=weight.device)
-    expand_codes_into(weight, prep.exponents, out)
-    if prep.rank:
-        out[:, k:] = prep.up_codes
+    kh, eh = k // 2, prep.extra // 2
+    up = prep.up_codes.view(torch.int16) if prep.rank else out.view(torch.int16)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kh + eh, block_j))
+    _expand_lut_kernel[grid](weight.qweight, prep.exponents, _pair_table(out.device), up, out.view(torch.int16), n,
+                             kh, eh, (k + prep.extra) // 2, BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4)
     return out
 
 
-def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight,
-                       t: torch.Tensor | None = None, *, down_hat: torch.Tensor | None = None,
-                       **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A = [q_x | a_h | a_t | a_h], s_x)``: FP8 codes of ``x / λ`` and the appended low-rank columns.
+def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_m: int = 64,
+                       block_k: int = 128, **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A = [q_x | a_h | a_t | a_h], s_x)``: FP8 codes of ``x / λ`` (two launches: the quantizer, then the
+    appended low-rank codes computed from those codes, ``a = (q_x @ D̂.T) / α``).
 
-    ``t`` defaults to ``x @ D.T`` (bfloat16), or with ``down_hat`` (``D̂``,
-    :func:`~worldfoundry.core.acceleration.kernels.w4f8_gemm.lowrank_down_for_codes`) to the projection of the
-    codes -- for a fused producer (``quant`` goes to the quantizer, e.g. ``activation``), whose input ``x2d`` is
-    not the Linear's input.
+    ``quant`` goes to the quantizer (e.g. ``activation`` and ``constants`` for a fused GELU producer, whose input
+    ``x2d`` is then the pre-activation).
     """
     m, k = x2d.shape
     a = torch.empty((m, k + prep.extra), dtype=FP8_DTYPE, device=x2d.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     launch_rowwise_fp8(x2d, inv_smooth=weight.inv_smooth, q_out=a, scale_out=scale, **quant)
-    if prep.rank:
-        if t is None and down_hat is not None:
-            t = triton_codes_lowrank(a[:, :k], scale, down_hat)
-        elif t is None:
-            t = F.linear(x2d.to(torch.bfloat16), weight.lora_down)
-        block_m = 64
-        _lowrank_codes_kernel[(triton.cdiv(m, block_m),)](t, scale, prep.alpha, a[:, k:], m, a.stride(0),
-                                                          RANK=prep.rank, BLOCK_M=block_m, num_warps=4)
+    if prep.rank and m:
+        if interpreter_enabled():
+            block_m, block_k = 16, 32
+        _appended_codes_kernel[(triton.cdiv(m, block_m),)](a, prep.down_hat, prep.alpha, m, k, a.stride(0),
+                                                           RANK=prep.rank, BLOCK_M=block_m, BLOCK_K=block_k,
+                                                           WIDEN=a.device.type != "cuda", num_warps=4)
     return a, scale
 
 
 def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, bias: torch.Tensor | None,
-                   *, use_fast_accum: bool = True, t: torch.Tensor | None = None,
+                   *, use_fast_accum: bool = True,
                    activation_operand_pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The per-channel W4F8 Linear ``[M, K] -> [M, N]`` (bfloat16 out) on ``torch._scaled_mm``.
 
@@ -244,10 +247,9 @@ def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeig
         weight, prep: the decomposed weight and :func:`prepare_scaled_mm`'s result.
         bias: optional ``[N]`` (bfloat16 is fused into the GEMM).
         use_fast_accum: ``torch._scaled_mm``'s fast accumulation.
-        t: optional precomputed low-rank down projection (bfloat16 ``[M, r]``).
         activation_operand_pair: a precomputed :func:`activation_operand` (fused producers).
     """
-    a, scale = activation_operand_pair or activation_operand(x2d, weight, prep, t)
+    a, scale = activation_operand_pair or activation_operand(x2d, weight, prep)
     b = weight_operand(weight, prep)
     fused_bias = bias if bias is not None and bias.dtype == torch.bfloat16 else None
     out = torch._scaled_mm(a, b.t(), scale_a=scale, scale_b=prep.scale_b, bias=fused_bias,
@@ -257,5 +259,5 @@ def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeig
     return out
 
 
-__all__ = ["ALIGN", "MAX_EXPONENT", "ScaledMMWeight", "activation_operand", "expand_codes_into", "prepare_scaled_mm",
+__all__ = ["ALIGN", "MAX_EXPONENT", "ScaledMMWeight", "activation_operand", "prepare_scaled_mm",
            "scaled_mm_w4f8", "unsupported_reason", "weight_operand"]

@@ -274,9 +274,14 @@ def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.T
     return _finish(out, x, x2d, weight, bias)
 
 
-def w4f8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4f8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None, *,
+                          lowrank_from_codes: bool = False) -> torch.Tensor:
     """Reference W4F8 SVDQuant Linear: per-token FP8 e4m3 of ``x / λ`` (:func:`quantize_rowwise_fp8` of the smoothed
     rows), the INT4 residual GEMM on those codes, low-rank, bias.
+
+    Args:
+        lowrank_from_codes: the low-rank branch on the dequantized codes, ``(q_x * s_x) @ (D * λ).T`` in float32
+            (the cuBLAS path), instead of ``bf16(x) @ D.T`` (the Triton W4F8 kernel).
 
     Returns:
         ``[..., N]`` in ``x``'s dtype (float32 math; the residual sum in float64, the kernel's in float32).
@@ -284,7 +289,15 @@ def w4f8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.T
     x2d = _rows(x, weight)
     q, scale = quantize_rowwise_fp8(smoothed_rows(x2d, weight.inv_smooth))
     out = int4_gemm_reference(q, scale, weight)
-    return _finish(out, x, x2d, weight, bias)
+    if not lowrank_from_codes or weight.lora_down is None or weight.lora_up is None:
+        return _finish(out, x, x2d, weight, bias)
+    down = weight.lora_down.float()
+    if weight.inv_smooth is not None:
+        down = down / weight.inv_smooth.float()[None, :]
+    out = out + ((q.float() * scale) @ down.t()) @ weight.lora_up.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
 def w4a16_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
