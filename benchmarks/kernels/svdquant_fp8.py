@@ -39,7 +39,7 @@ from worldfoundry.bench.microbench import interleaved, rel_l2, sync
 from worldfoundry.bench.microbench import provenance as shared_provenance
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_quantize_rowwise_fp8
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
-from worldfoundry.core.acceleration.kernels.svdquant_dispatch import lowrank_down, pad_rank
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import lowrank_down, pad_rank, svdquant_linear
 from worldfoundry.core.acceleration.kernels.w4a8_tuning import chosen_configs
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import (
     activation_operand,
@@ -131,7 +131,9 @@ def _accuracy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, sq: Any, rtn: A
 
 
 QUANT_SWEEP: dict[str, dict[str, Any]] = {
-    "1 row 4 warps": {"BLOCK_M": 1, "num_warps": 4}, "4 rows 8 warps": {"BLOCK_M": 4, "num_warps": 8},
+    "1 row 4 warps": {"BLOCK_M": 1, "num_warps": 4}, "1 row 8 warps": {"BLOCK_M": 1, "num_warps": 8},
+    "1 row 16 warps": {"BLOCK_M": 1, "num_warps": 16}, "2 rows 16 warps": {"BLOCK_M": 2, "num_warps": 16},
+    "4 rows 8 warps": {"BLOCK_M": 4, "num_warps": 8},
     "two-pass 8 rows x 1024": {"SINGLE_PASS": False, "BLOCK_M": 8, "BLOCK_K": 1024, "num_warps": 8},
     "two-pass 4 rows x 2048": {"SINGLE_PASS": False, "BLOCK_M": 4, "BLOCK_K": 2048, "num_warps": 8},
     "two-pass 16 rows x 512": {"SINGLE_PASS": False, "BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8},
@@ -164,6 +166,8 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
             x, sq, prep, b, use_fast_accum=fast, activation_operand_pair=operand())
         calls[f"cublas _scaled_mm only {tag}"] = lambda fast=fast: torch._scaled_mm(
             a, bw.t(), scale_a=s, scale_b=prep.scale_b, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    if producer is None:  # the plugin's per-Linear call (dispatch, prepared operands)
+        calls["plugin path: svdquant_linear auto"] = lambda: svdquant_linear(x, sq, b, scaled=prep)
     calls["cublas activation operand"] = operand
     for bm, bk in ((64, 128), (128, 128), (64, 256), (32, 256)):
         calls[f"cublas activation operand, appended {bm}x{bk}"] = lambda bm=bm, bk=bk: activation_operand(

@@ -141,7 +141,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
 
     Args:
         model: a diffusers DiT (or any module whose Linear paths the artifact names).
-        options: ``{"artifact", "include", "keep_original", "backend"}``.
+        options: ``{"artifact", "include", "keep_original", "backend", "fast_accum"}``.
         policy: the runtime policy (unused: the plugin runs on the model's own device).
 
     Returns:
@@ -177,12 +177,15 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
         options=resolved,
         exact=False,
         notes=(
-            f"approximate: {artifact.manifest['method']} rank {artifact.manifest['rank']} low-rank (bfloat16) + INT4 "
-            f"residual ({describe_grouping(int(artifact.manifest['group_size']))}) with per-token INT8 activations, from {artifact.file}",
+            f"approximate: {artifact.manifest['method']} rank {artifact.manifest['rank']} low-rank + INT4 residual "
+            f"({describe_grouping(int(artifact.manifest['group_size']))}) with per-token FP8 (w4f8) or INT8 (w4a8) "
+            f"activations, from {artifact.file}",
             "keep_original cpu: dense weights move to pinned host memory (device weight memory drops); device: "
             "dense weights stay and the quantized tensors are added",
-            "runs W4A8 (Triton, INT8 tensor cores) on sm_90+, W4A16 on other CUDA GPUs and the torch reference of the "
-            "W4A8 numerics on the CPU; receipts name the backend of every call",
+            "runs W4F8 (per-channel artifacts: FP8 activations and codes, one torch._scaled_mm with the low-rank "
+            "branch as FP8 head/tail codes) or W4A8 (group-wise: Triton, INT8 tensor cores) on sm_90+, W4A16 on "
+            "other CUDA GPUs and the torch reference of the W4A8 numerics on the CPU; receipts name the backend "
+            "of every call",
         ),
     )
 

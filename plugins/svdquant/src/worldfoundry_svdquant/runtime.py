@@ -2,7 +2,7 @@
 
 Each selected Linear's forward is replaced by one that runs the SVDQuant Linear
 (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.svdquant_linear`) and records
-``executed(path, backend)`` with ``backend`` in ``("w4a8", "w4a16", "reference")``; when the backend is not
+``executed(path, backend)`` with ``backend`` in ``("w4f8", "w4a8", "w4a16", "reference")``; when the backend is not
 the one asked for, the counter ``"backend_reason: <why>"`` says why (``"cpu device"`` on the CPU: the torch
 reference of the same W4A8 numerics runs). The original dense Linear runs only for inputs that need
 gradients or live on another device, recorded as ``fallback(path, reason)``; with ``keep_original: cpu``
@@ -16,6 +16,7 @@ and the outputs are bitwise those before install.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Final
 
 import torch
@@ -23,11 +24,12 @@ import torch.nn as nn
 
 from worldfoundry.base_models.diffusion_model.optimizations.guards import WeightViewGuard
 from worldfoundry.core.acceleration.handle import RecordedHandle
-from worldfoundry.core.acceleration.kernels.svdquant_dispatch import pad_rank, svdquant_linear
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend, pad_rank, svdquant_linear
+from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
-from worldfoundry.errors import InferenceViewError
+from worldfoundry.errors import InferenceViewError, QuantizationInputError
 from worldfoundry_svdquant.options import PLUGIN_NAME, Options
 
 REASON_AUTOGRAD: Final = "autograd enabled"
@@ -37,7 +39,7 @@ BACKEND_REASON_PREFIX: Final = "backend_reason: "
 
 
 class _Target:
-    __slots__ = ("path", "linear", "weight", "rank", "dense_bytes", "host_copy")
+    __slots__ = ("path", "linear", "weight", "rank", "dense_bytes", "host_copy", "scaled", "backend", "reason")
 
     def __init__(self, path: str, linear: nn.Linear, weight: SVDQuantWeight, rank: int) -> None:
         self.path = path
@@ -46,6 +48,13 @@ class _Target:
         self.rank = rank
         self.dense_bytes = linear.weight.numel() * linear.weight.element_size()
         self.host_copy: torch.Tensor | None = None
+        self.scaled: ScaledMMWeight | None = None
+        self.backend = "auto"
+        self.reason: str | None = None
+
+    @property
+    def quantized_bytes(self) -> int:
+        return self.weight.nbytes + (self.scaled.nbytes if self.scaled is not None else 0)
 
 
 class SVDQuantRuntime:
@@ -58,7 +67,21 @@ class SVDQuantRuntime:
         self.targets: dict[str, _Target] = {}
 
     def add(self, path: str, linear: nn.Linear, weight: SVDQuantWeight) -> None:
-        self.targets[path] = _Target(path, linear, pad_rank(weight), weight.rank)
+        """Bind ``path``'s quantized weight. Where W4F8 runs, its operands are prepared now and the bfloat16
+        low-rank pair is dropped from the device (the FP8 head/tail codes replace it byte for byte); a weight
+        the W4F8 preparation refuses runs W4A8, and every call of it counts the reason."""
+        target = _Target(path, linear, pad_rank(weight), weight.rank)
+        target.backend = self.options.backend
+        choice = choose_backend(weight.device, self.options.backend, weight.group_size)
+        if choice.backend == "w4f8":
+            try:
+                target.scaled = prepare_scaled_mm(target.weight)
+            except QuantizationInputError as exc:
+                target.backend, target.reason = "w4a8", f"w4f8 refused: {exc}"
+            else:
+                target.weight = replace(target.weight, lora_down=None, lora_up=None)
+                target.backend = "w4f8"
+        self.targets[path] = target
 
     def move_dense_to_host(self, rec: PatchRecorder, path: str) -> None:
         """Move ``path``'s dense weight data to pinned host memory, recording the move back (same bytes)."""
@@ -93,10 +116,12 @@ class SVDQuantRuntime:
                             "(keep_original: cpu); uninstall first, or install with keep_original: device")
                     self.ledger.fallback(path, reason)
                     return original(input)
-                out, choice = svdquant_linear(input, target.weight, target.linear.bias, backend=self.options.backend)
+                out, choice = svdquant_linear(input, target.weight, target.linear.bias, backend=target.backend,
+                                              scaled=target.scaled, fast_accum=self.options.fast_accum)
                 self.ledger.executed(path, choice.backend)
-                if choice.reason is not None:
-                    self.ledger.count(BACKEND_REASON_PREFIX + choice.reason)
+                reason = choice.reason or target.reason
+                if reason is not None:
+                    self.ledger.count(BACKEND_REASON_PREFIX + reason)
                 return out
 
             return forward
@@ -116,7 +141,7 @@ class SVDQuantRuntime:
     def memory(self) -> dict[str, int]:
         """Bytes of the selected Linears' weights: dense, quantized, on the device and on the host."""
         dense = sum(t.dense_bytes for t in self.targets.values())
-        quant = sum(t.weight.nbytes for t in self.targets.values())
+        quant = sum(t.quantized_bytes for t in self.targets.values())
         host = sum(t.dense_bytes for t in self.targets.values() if t.host_copy is not None)
         return {"dense_weight_bytes": dense, "quantized_bytes": quant, "dense_bytes_on_host": host,
                 "weight_bytes_on_device": quant + dense - host}
@@ -146,7 +171,9 @@ class SVDQuantHandle(RecordedHandle):
             "keep_original": self.runtime.options.keep_original,
             "memory": dict(self._memory),
             "artifact": dict(self._artifact),
-            "meaning": "executed kinds: w4a8 (Triton INT8 tensor cores), w4a16 (Triton), reference (torch, same "
-                       "W4A8 numerics); 'backend_reason: ...' counters say why the requested backend did not run",
+            "meaning": "executed kinds: w4f8 (FP8 activations, INT4 codes widened to FP8, one torch._scaled_mm with "
+                       "the low-rank branch as FP8 head/tail codes), w4a8 (Triton INT8 tensor cores), w4a16 (Triton), "
+                       "reference (torch, W4A8 numerics); 'backend_reason: ...' counters say why the requested "
+                       "backend did not run",
         }
         return report

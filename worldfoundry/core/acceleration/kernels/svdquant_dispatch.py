@@ -1,5 +1,10 @@
-"""Backend choice for the SVDQuant Linear: W4A8 (Triton, INT8 tensor cores) on Hopper, W4A16 (Triton) on other
-CUDA GPUs, the torch reference of the W4A8 numerics elsewhere -- always saying why a backend was not used.
+"""Backend choice for the SVDQuant Linear -- always saying why a backend was not used:
+
+* ``w4f8`` (Hopper, per-channel residual scales): FP8 activations and the INT4 codes widened to FP8, one
+  ``torch._scaled_mm`` with the low-rank branch appended to the reduction
+  (:mod:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm`); ``auto`` on sm_90+ for per-channel weights;
+* ``w4a8`` (Triton, INT8 tensor cores): ``auto`` on sm_90+ for group-wise scales (and where ``w4f8`` cannot run);
+* ``w4a16`` (Triton) on other CUDA GPUs; the torch reference of the W4A8 numerics elsewhere.
 
 Example:
     >>> import torch
@@ -26,6 +31,8 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
 )
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
+from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
     LOWRANK_DTYPE,
     SVDQuantWeight,
@@ -34,13 +41,17 @@ from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
 )
 from worldfoundry.errors import QuantizationInputError
 
-BACKENDS: Final = ("auto", "w4a8", "w4a16", "reference")
+BACKENDS: Final = ("auto", "w4f8", "w4a8", "w4a16", "reference")
 #: Smallest capability ``auto`` runs W4A8 on (Hopper); INT8 tensor cores exist from sm_75/sm_80.
 W4A8_AUTO_CAPABILITY: Final = (9, 0)
 W4A8_MIN_CAPABILITY: Final = (8, 0)
 REASON_TRITON_MISSING: Final = "triton not importable"
 REASON_NOT_HOPPER: Final = "gpu below sm_90: W4A16"
 REASON_NO_INT8_TC: Final = "gpu below sm_80 lacks int8 tensor cores: W4A16"
+#: Smallest capability with FP8 tensor cores (``torch._scaled_mm`` row-wise scaling runs on sm_89+).
+W4F8_MIN_CAPABILITY: Final = (8, 9)
+REASON_NO_FP8_TC: Final = "gpu below sm_89 lacks fp8 tensor cores"
+REASON_GROUPED: Final = "group-wise residual scales: W4A8 (W4F8 needs one scale per output channel)"
 #: Inputs wider than this quantize and project down in one kernel (:mod:`.int8_quant_lowrank`: ``x`` read from
 #: DRAM once instead of three times) when nothing else is asked. ``None``: never -- on the H200 the fused kernel
 #: made the W81 8960 -> 1536 Linear slower (2.08 ms total against 1.56 ms with the quantizer and the down
@@ -76,12 +87,13 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def choose_backend(device: torch.device, requested: str = "auto") -> BackendChoice:
-    """The backend that runs on ``device`` for ``requested``.
+def choose_backend(device: torch.device, requested: str = "auto", group_size: int = PER_CHANNEL) -> BackendChoice:
+    """The backend that runs on ``device`` for ``requested`` and a residual of ``group_size``.
 
-    ``auto``: W4A8 on sm_90+, W4A16 on other CUDA GPUs, the reference on the CPU. An explicit ``w4a8`` or
-    ``w4a16`` on the CPU runs the Triton kernel only under ``TRITON_INTERPRET=1`` (tests), otherwise the
-    reference.
+    ``auto``: on sm_90+ W4F8 for per-channel weights and W4A8 for group-wise ones, W4A16 on other CUDA GPUs, the
+    reference on the CPU. ``w4f8`` falls back to W4A8 (group-wise weights, or a GPU without FP8 tensor cores)
+    with the reason. ``w4f8`` runs on CUDA only (``torch._scaled_mm``); an explicit ``w4a8`` or ``w4a16`` on the
+    CPU runs the Triton kernel only under ``TRITON_INTERPRET=1`` (tests), otherwise the reference.
 
     Raises:
         QuantizationInputError: unknown backend.
@@ -93,16 +105,25 @@ def choose_backend(device: torch.device, requested: str = "auto") -> BackendChoi
     if not TRITON_AVAILABLE:
         return BackendChoice("reference", REASON_TRITON_MISSING)
     if device.type != "cuda":
-        if requested != "auto" and interpreter_enabled():
+        if requested in ("w4a8", "w4a16") and interpreter_enabled():
             return BackendChoice(requested)
         return BackendChoice("reference", f"{device.type} device")
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = _capability(index)
     if requested == "w4a16":
         return BackendChoice("w4a16")
+    if requested == "w4f8" or (requested == "auto" and cap >= W4A8_AUTO_CAPABILITY):
+        reason = REASON_GROUPED if group_size != PER_CHANNEL else (
+            REASON_NO_FP8_TC if cap < W4F8_MIN_CAPABILITY else None)
+        if reason is None:
+            return BackendChoice("w4f8")
+        if requested == "w4f8":
+            fallback = choose_backend(device, "w4a8", group_size)
+            return replace(fallback, reason=fallback.reason or reason)
+        return BackendChoice("w4a8")
     if requested == "w4a8":
         return BackendChoice("w4a8") if cap >= W4A8_MIN_CAPABILITY else BackendChoice("w4a16", REASON_NO_INT8_TC)
-    return BackendChoice("w4a8") if cap >= W4A8_AUTO_CAPABILITY else BackendChoice("w4a16", REASON_NOT_HOPPER)
+    return BackendChoice("w4a16", REASON_NOT_HOPPER)
 
 
 def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | None:
@@ -113,7 +134,9 @@ def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | No
 
 
 def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
-                    backend: str = "auto", fused_lowrank: bool | None = None) -> tuple[torch.Tensor, BackendChoice]:
+                    backend: str = "auto", fused_lowrank: bool | None = None,
+                    scaled: ScaledMMWeight | None = None,
+                    fast_accum: bool = True) -> tuple[torch.Tensor, BackendChoice]:
     """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
 
     Args:
@@ -123,6 +146,9 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         backend: ``auto``, ``w4a8``, ``w4a16`` or ``reference``.
         fused_lowrank: W4A8 only: quantize and project down in one kernel (``None``: when ``K`` exceeds
             :data:`FUSED_QUANT_LOWRANK_MIN_K`, which is unset: never). Same codes either way.
+        scaled: W4F8 only: :func:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm.prepare_scaled_mm` of
+            ``weight`` (prepared here when ``None``; a weight it refuses runs W4A8, with the reason).
+        fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation.
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -135,7 +161,18 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
             f"svdquant linear: input has {x.shape[-1]} features, the weight expects {weight.in_features}")
     if x.device != weight.device:
         raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
-    choice = choose_backend(x.device, backend)
+    choice = choose_backend(x.device, backend, weight.group_size)
+    if choice.backend == "w4f8":
+        try:
+            prep = scaled if scaled is not None else prepare_scaled_mm(weight)
+        except QuantizationInputError as exc:
+            choice = BackendChoice("w4a8", f"w4f8 refused: {exc}")
+        else:
+            x2d = x.reshape(-1, weight.in_features)
+            if x2d.stride(-1) != 1:
+                x2d = x2d.contiguous()
+            out = scaled_mm_w4f8(x2d, weight, prep, bias, use_fast_accum=fast_accum)
+            return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features), choice
     if choice.backend == "reference":
         return w4a8_linear_reference(x, weight, bias), choice
     lead = x.shape[:-1]

@@ -21,14 +21,15 @@ and its scale multiplied by ``2**e_n`` (:func:`prepare_scaled_mm`; a weight that
 reason).
 
 One FP8 e4m3 code per low-rank term would keep 3 mantissa bits (a low-rank branch 11.6 % off on random weights,
-where it carries 70 % of the output). So each appended operand is split into a head and a tail code, ``a = a_h +
-a_t / 16`` with ``a_h = fp8(a)`` and ``a_t = fp8(16 * (a - a_h))`` (likewise ``u``), and the three products that
-matter are appended -- ``3 r`` columns::
+where it carries 70 % of the output). So both appended operands are split into a head and a tail code and the
+three products that matter are appended -- ``3 r`` columns::
 
-    A[:, K:] = [a_h | a_t | a_h],    B[:, K:] = [u_h | u_h / 16 | u_t / 16]
+    A[:, K:] = [a_h | a_t | a_h / 16],   a_h = fp8(a),  a_t = fp8(a - a_h)
+    B[:, K:] = [u_h | u_h | u_t],        u_h = fp8(u),  u_t = fp8(16 * (u - u_h))
 
-(``a_t * u_t`` is dropped, ``2**-8`` of the branch). On random weights the branch is then 0.11 % off the bfloat16
-one (``tests``; the GPU benchmark measures the whole Linear against the bf16 low-rank W4F8 kernel).
+(``(a - a_h) * (u - u_h)`` is dropped, about ``2**-8`` of the branch). The weight side is stored as ``[u_h | u_t]``
+(``2 r`` FP8 columns: the bytes of the bfloat16 ``U`` it replaces) and the head copied twice per call. On random
+weights the branch is then 0.11 % off the bfloat16 one.
 
 The codes ``c_R`` are widened to FP8 for every call (:func:`weight_operand`: one table lookup per packed byte, 2
 bytes written, in the launch that copies the appended codes); the resident weight stays INT4 (``B`` is a
@@ -70,27 +71,30 @@ if TRITON_AVAILABLE:
     from worldfoundry.core.acceleration.kernels.w4a8_tiles import _widen
 
     @triton.jit
-    def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, up_ptr, out_ptr, N, KH, EH, stride_out, BLOCK_N: tl.constexpr,
+    def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, up_ptr, out_ptr, N, KH, RH, stride_out, BLOCK_N: tl.constexpr,
                            BLOCK_J: tl.constexpr):
         """Pair column ``j < KH`` of row ``n``: packed byte ``j`` -> the two FP8 codes ``c * 2**-e_n`` at ``2j, 2j + 1``
-        (one int16 store); ``KH <= j < KH + EH``: the appended weight codes, copied (int16 pairs)."""
+        (one int16 store); the next ``3 RH`` pairs: ``[u_h | u_h | u_t]`` copied from ``[u_h | u_t]`` (``RH = r / 2``
+        int16 pairs per block)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         rmask = rows < N
         rows64 = rows.to(tl.int64)
         codes = rmask[:, None] & (cols < KH)[None, :]
-        extra = rmask[:, None] & (cols >= KH)[None, :] & (cols < KH + EH)[None, :]
+        local = cols - KH
+        extra = rmask[:, None] & (local >= 0)[None, :] & (local < 3 * RH)[None, :]
+        src = tl.where(local >= 2 * RH, local - RH, local % RH)  # blocks 0, 1 -> u_h; block 2 -> u_t
         p = tl.load(wq_ptr + rows64[:, None] * KH + cols[None, :], mask=codes, other=0)
         e = tl.load(exp_ptr + rows, mask=rmask, other=0)
         pair = tl.load(lut_ptr + e[:, None] * 256 + (p.to(tl.int32) & 0xFF), mask=codes, other=0)
-        up = tl.load(up_ptr + rows64[:, None] * EH + (cols - KH)[None, :], mask=extra, other=0)
+        up = tl.load(up_ptr + rows64[:, None] * (2 * RH) + src[None, :], mask=extra, other=0)
         tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], tl.where(codes, pair, up), mask=codes | extra)
 
     @triton.jit
     def _appended_codes_kernel(a_ptr, d_ptr, alpha_ptr, M, K, stride_a, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
         """``a = (q_x @ D̂.T) / α`` from the row codes in ``A[:, :K]`` (``s_x`` cancels), written as
-        ``[a_h | a_t | a_h]`` into ``A[:, K:K + 3r]``."""
+        ``[a_h | a_t | a_h / 16]`` into ``A[:, K:K + 3r]``."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         rows64 = rows.to(tl.int64)
@@ -109,11 +113,11 @@ if TRITON_AVAILABLE:
         # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (an fp8 -> fp32
         # read-back of the head gave wrong tails on sm_90)
         head = _round_to_e4m3_grid(a)
-        tail = _round_to_e4m3_grid((a - head) * 16.0)
+        tail = _round_to_e4m3_grid(a - head)
         base = a_ptr + rows64[:, None] * stride_a + K + r[None, :]
         tl.store(base, head.to(tl.float8e4nv), mask=rmask[:, None])
         tl.store(base + RANK, tail.to(tl.float8e4nv), mask=rmask[:, None])
-        tl.store(base + 2 * RANK, head.to(tl.float8e4nv), mask=rmask[:, None])
+        tl.store(base + 2 * RANK, _round_to_e4m3_grid(head * 0.0625).to(tl.float8e4nv), mask=rmask[:, None])
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class ScaledMMWeight:
         exponents: int32 ``[N]``, the ``e_n``.
         alpha: float32 ``[r]`` (``None`` for rank 0).
         down_hat: bfloat16 ``[r, K]`` = ``D * λ``, the down projection of the smoothed codes (``None`` for rank 0).
-        up_codes: FP8 ``[N, 3 r]`` = ``[u_h | u_h / 16 | u_t / 16]`` of ``u = U * α / s_w`` (``None`` for rank 0).
+        up_codes: FP8 ``[N, 2 r]`` = ``[u_h | u_t]`` of ``u = U * α / (s_w * 2**e_n)`` (``None`` for rank 0).
     """
 
     scale_b: torch.Tensor
@@ -137,6 +141,12 @@ class ScaledMMWeight:
     @property
     def rank(self) -> int:
         return 0 if self.alpha is None else int(self.alpha.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the prepared tensors."""
+        tensors = (self.scale_b, self.exponents, self.alpha, self.up_codes, self.down_hat)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def extra(self) -> int:
@@ -180,9 +190,9 @@ def prepare_scaled_mm(weight: SVDQuantWeight) -> ScaledMMWeight:
                                      "W4A8 kernels")
     step = torch.exp2(need)
     u = (u / step[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    head = u.to(FP8_DTYPE).float()
-    tail = ((u - head) * 16.0).to(FP8_DTYPE).float()
-    up_codes = torch.cat([head, head / 16.0, tail / 16.0], dim=1).to(FP8_DTYPE).contiguous()
+    head = u.to(FP8_DTYPE)
+    tail = ((u - head.float()) * 16.0).to(FP8_DTYPE)
+    up_codes = torch.cat([head, tail], dim=1).contiguous()
     return ScaledMMWeight((scale * step[None, :]).contiguous(), need.to(torch.int32).contiguous(), alpha, up_codes,
                           down.to(torch.bfloat16).contiguous())
 
@@ -204,21 +214,21 @@ def _pair_table(device: torch.device) -> torch.Tensor:
 
 def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_n: int = 32,
                    block_j: int = 256) -> torch.Tensor:
-    """``B = [c_R * 2**-e | u_h | u_h / 16 | u_t / 16]`` as FP8 ``[N, K + 3 r]``: a transient built for one call,
-    in one launch (the codes widened by table lookup, the appended codes copied)."""
+    """``B = [c_R * 2**-e | u_h | u_h | u_t]`` as FP8 ``[N, K + 3 r]``: a transient built for one call, in one
+    launch (the codes widened by table lookup, the appended codes copied)."""
     n, k = weight.out_features, weight.in_features
     out = torch.empty((n, k + prep.extra), dtype=FP8_DTYPE, device=weight.device)
-    kh, eh = k // 2, prep.extra // 2
+    kh, rh = k // 2, prep.rank // 2
     up = prep.up_codes.view(torch.int16) if prep.rank else out.view(torch.int16)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(kh + eh, block_j))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kh + 3 * rh, block_j))
     _expand_lut_kernel[grid](weight.qweight, prep.exponents, _pair_table(out.device), up, out.view(torch.int16), n,
-                             kh, eh, (k + prep.extra) // 2, BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4)
+                             kh, rh, (k + prep.extra) // 2, BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4)
     return out
 
 
 def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_m: int = 64,
                        block_k: int = 128, **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A = [q_x | a_h | a_t | a_h], s_x)``: FP8 codes of ``x / λ`` (two launches: the quantizer, then the
+    """``(A = [q_x | a_h | a_t | a_h / 16], s_x)``: FP8 codes of ``x / λ`` (two launches: the quantizer, then the
     appended low-rank codes computed from those codes, ``a = (q_x @ D̂.T) / α``).
 
     ``quant`` goes to the quantizer (e.g. ``activation`` and ``constants`` for a fused GELU producer, whose input

@@ -1,0 +1,152 @@
+"""The W4F8 pieces of ``svdquant`` against their torch references (CPU, ``TRITON_INTERPRET=1``, small shapes).
+
+Claims:
+
+* FP8 rowwise quantization with smoothing: codes and scales **bitwise** ``quantize_rowwise_fp8`` of the smoothed
+  rows, also written into a wider buffer (``q_out`` / ``scale_out``);
+* INT4 -> FP8 expansion: **exactly** the unpacked codes (per channel and both group sizes);
+* the Triton W4F8 GEMM (expanded and in-register weights; per channel, group 64/128): bfloat16 output within one
+  bfloat16 ulp of ``max|ref|`` (``2**-7``) of :func:`w4f8_linear_reference`;
+* the codes low-rank projection: within ``2**-7 * max`` of the float32 product of the dequantized codes;
+* the cuBLAS operands (``A``, ``B`` of :mod:`w4f8_scaled_mm`): the codes bitwise, the appended weight columns
+  ``[u_h | u_h | u_t]``, the per-channel exponents exact; the float32 product of the operands (what
+  ``torch._scaled_mm`` computes, checked on the GPU) within 0.5 % (relative L2) of the reference with the
+  low-rank branch on the codes -- the head/tail split, not one FP8 code (about 10 % off);
+* ``α = ||D̂||_1`` bounds every appended activation code by 448 (hypothesis over random rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
+from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend, lowrank_down, pad_rank
+from worldfoundry.core.acceleration.quantization.fp8 import quantize_rowwise_fp8
+from worldfoundry.core.acceleration.quantization.int4_packing import unpack_int4
+from worldfoundry.core.acceleration.quantization.int8_activation import smoothed_rows
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import decompose, w4f8_linear_reference
+from worldfoundry.errors import QuantizationInputError
+
+pytestmark = pytest.mark.skipif(
+    not (TRITON_AVAILABLE and interpreter_enabled()), reason="needs triton with TRITON_INTERPRET=1")
+
+if TRITON_AVAILABLE:
+    from worldfoundry.core.acceleration.kernels import w4f8_gemm as g
+    from worldfoundry.core.acceleration.kernels import w4f8_scaled_mm as sm
+
+
+def _weight(n: int, k: int, group: int, rank: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    amax = torch.rand(k, generator=gen) * 4 + 0.1
+    return pad_rank(decompose(w, rank=rank, group_size=group, act_absmax=amax)), w
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_smoothed_fp8_quantization_is_bitwise_and_fills_a_wider_buffer():
+    sq, _ = _weight(32, 256, 0)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    ref_q, ref_s = quantize_rowwise_fp8(smoothed_rows(x, sq.inv_smooth))
+    q, s, _ = launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    wide = torch.zeros(40, 300, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(40, 1)
+    q2, _, _ = launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth, q_out=wide, scale_out=scale)
+    assert torch.equal(wide[:, :256].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+    assert torch.equal(wide[:, 256:].float(), torch.zeros(40, 44)) and q2.shape == (40, 256)
+    with pytest.raises(QuantizationInputError, match="inv_smooth must be float32"):
+        launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth[:10])
+    with pytest.raises(QuantizationInputError, match="output buffer"):
+        launch_rowwise_fp8(x, q_out=torch.zeros(40, 100, dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("group", [0, 64, 128])
+def test_expansion_is_the_codes(group):
+    sq, _ = _weight(48, 256, group)
+    assert torch.equal(g.expand_int4_to_fp8(sq).float(), unpack_int4(sq.qweight, group).float())
+
+
+@pytest.mark.parametrize("group", [0, 64, 128])
+@pytest.mark.parametrize("expanded", [True, False])
+def test_triton_w4f8_gemm_matches_the_reference(group, expanded):
+    sq, _ = _weight(48, 256, group)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    q, s, _ = launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth)
+    y = g.triton_w4f8_gemm(q, s, sq, lowrank_down(x, sq), b, expanded=expanded).float()
+    ref = w4f8_linear_reference(x, sq, b).float()
+    assert (y - ref).abs().max() <= 2**-7 * ref.abs().max()
+    with pytest.raises(QuantizationInputError, match="q must be contiguous float8_e4m3fn"):
+        g.triton_w4f8_gemm(q.float(), s, sq, None, None)
+
+
+def test_codes_lowrank_projection():
+    sq, _ = _weight(48, 256, 0)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    q, s, _ = launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth)
+    d_hat = g.lowrank_down_for_codes(sq)
+    t = g.triton_codes_lowrank(q, s, d_hat).float()
+    ref = (q.float() * s) @ d_hat.float().t()
+    assert (t - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(48, 256), (256, 1024)])
+def test_cublas_operands(n, k):
+    sq, _ = _weight(n, k, 0, rank=32)
+    prep = sm.prepare_scaled_mm(sq)
+    x = torch.randn(64, k).to(torch.bfloat16)
+    a, s = sm.activation_operand(x, sq, prep)
+    bw = sm.weight_operand(sq, prep)
+    r = prep.rank
+    assert a.shape == (64, k + 3 * r) and bw.shape == (n, k + 3 * r) and prep.extra == 3 * r
+    ref_q, ref_s = quantize_rowwise_fp8(smoothed_rows(x, sq.inv_smooth))
+    assert torch.equal(a[:, :k].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    step = torch.exp2(prep.exponents.float())[:, None]
+    assert torch.equal(bw[:, :k].float() * step, unpack_int4(sq.qweight, 0).float())
+    assert torch.equal(prep.scale_b, sq.scales.float().reshape(1, -1) * step.t())
+    head, tail = prep.up_codes[:, :r], prep.up_codes[:, r:]
+    assert torch.equal(bw[:, k:].view(torch.uint8), torch.cat([head, head, tail], 1).view(torch.uint8))
+    emulated = (a.float() @ bw.float().t()) * s * prep.scale_b
+    ref = w4f8_linear_reference(x, sq, None, lowrank_from_codes=True).float()
+    assert _rel(emulated, ref) < 5e-3
+    # one FP8 code per low-rank term instead of the head/tail split: an order of magnitude further off
+    single = a[:, k:k + r].float() @ bw[:, k:k + r].float().t()
+    one_code = (a[:, :k].float() @ bw[:, :k].float().t() + single) * s * prep.scale_b
+    assert _rel(one_code, ref) > 5 * _rel(emulated, ref)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), spike=st.floats(1.0, 50.0))
+def test_alpha_bounds_every_appended_activation_code(seed, spike):
+    sq, _ = _weight(32, 128, 0, rank=16, seed=seed % 7)
+    prep = sm.prepare_scaled_mm(sq)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 128, generator=gen)
+    x[:, seed % 128] *= spike
+    a, s = sm.activation_operand(x.to(torch.bfloat16), sq, prep)
+    exact = (a[:, :128].float() @ prep.down_hat.float().t()) / prep.alpha
+    assert exact.abs().max() <= 448.0 * (1 + 2**-7)
+
+
+def test_refusals_name_the_cause():
+    grouped, _ = _weight(48, 256, 128)
+    assert "per-channel" in sm.unsupported_reason(grouped)
+    with pytest.raises(QuantizationInputError, match="per-channel scales"):
+        sm.prepare_scaled_mm(grouped)
+    sq, _ = _weight(48, 256, 0)
+    huge = sq.__class__(**{**sq.__dict__, "lora_up": sq.lora_up * 2.0**20})
+    with pytest.raises(QuantizationInputError, match="beyond 2\\*\\*9"):
+        sm.prepare_scaled_mm(huge)
+
+
+def test_backend_choice_off_cuda():
+    cpu = torch.device("cpu")
+    assert choose_backend(cpu, "w4f8").backend == "reference"
+    assert choose_backend(cpu, "w4f8").reason == "cpu device"
