@@ -1,4 +1,4 @@
-"""The Python examples of docs/svdquant.md run (the first two; the third is a configuration fragment) and
+"""The Python examples of docs/svdquant.md run (the first three; the fourth is a configuration fragment) and
 print what the page says."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 def test_python_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
     blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
-    assert len(blocks) == 3 and "RuntimePolicy(" in blocks[2]
+    assert len(blocks) == 4 and "RuntimePolicy(" in blocks[3]
     exec(compile(blocks[0], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2] == "[('backend_reason: cpu device', 4), ('reference', 4)]"
@@ -28,3 +28,11 @@ def test_per_channel_example_runs(capsys) -> None:  # noqa: ANN001
     shapes, result = capsys.readouterr().out.strip().splitlines()[-2:]
     assert shapes == "(1, 64) (64, 128)"
     assert result.startswith("reference ") and result.endswith("relative L2") and float(result.split()[1]) < 0.15
+
+
+def test_w4f8_example_runs(capsys) -> None:  # noqa: ANN001
+    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    assert "w4f8_linear_reference" in blocks[2]
+    exec(compile(blocks[2], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    assert result.endswith("relative L2") and float(result.split()[0]) < 0.15

@@ -81,7 +81,8 @@ def test_dispatch_runs_w4f8_for_per_channel_and_w4a8_for_groups():
 
 def test_plugin_w4f8_receipts_memory_and_exact_restore(kit, tmp_path):
     model = kit.build_wan(dtype=torch.bfloat16).cuda()
-    artifact = kit.calibrate(model, tmp_path / "c.json", group_size=0)
+    # the tiny model's ffn.0 has 64 input features, below the per-channel K step (128): ffn.2 only
+    artifact = kit.calibrate(model, tmp_path / "c.json", group_size=0, include=("blocks.*.ffn.2",))
     reg = AccelerationRegistry(discover=False)
     reg.register("svdquant", prepare)
     inputs = {k: v.cuda() for k, v in kit.wan_inputs(torch.bfloat16).items()}
