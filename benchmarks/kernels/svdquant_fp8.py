@@ -179,6 +179,13 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
         calls[f"quant sweep {name}"] = lambda cfg=cfg: launch_rowwise_fp8(x, inv_smooth=sq.inv_smooth, config=cfg,
                                                                           **quant)
     calls["quant without smoothing"] = lambda: launch_rowwise_fp8(x, **quant)
+    calls["cublas activation operand, rowwise quantizer"] = lambda: activation_operand(
+        x, sq, prep, held_smoothing=False, **quant)
+    from worldfoundry.core.acceleration.kernels.fp8_smoothed_quant import triton_quantize_smoothed_fp8
+
+    for per_sm, warps in ((4, 8), (2, 8), (8, 4), (4, 4), (2, 16), (1, 16)):
+        calls[f"held-smoothing quant {per_sm}/SM {warps} warps"] = lambda per_sm=per_sm, warps=warps: (
+            triton_quantize_smoothed_fp8(x, sq.inv_smooth, programs_per_sm=per_sm, num_warps=warps, **quant))
     return calls
 
 

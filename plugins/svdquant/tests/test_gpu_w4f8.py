@@ -109,3 +109,42 @@ def test_plugin_w4f8_receipts_memory_and_exact_restore(kit, tmp_path):
     session.uninstall()
     with torch.inference_mode():
         assert torch.equal(model(**inputs, return_dict=False)[0], dense)
+
+
+def _wide_wan(kit):
+    from worldfoundry import testing
+
+    config = dict(kit.WAN_CONFIG, num_attention_heads=2, attention_head_dim=64, ffn_dim=256)
+    return testing.tiny_wan(0, weight_scale=0.05, dtype=torch.bfloat16, **config).cuda()
+
+
+@pytest.mark.skipif(not HOPPER, reason="W4F8 is the automatic backend on sm_90+")
+def test_fused_gelu_producer_runs_and_undoes(kit, tmp_path):
+    model = _wide_wan(kit)  # dim 128, FFN 256: both FFN Linears take per-channel scales
+    artifact = kit.calibrate(model, tmp_path / "w.json", group_size=0)
+    reg = AccelerationRegistry(discover=False)
+    reg.register("svdquant", prepare)
+    inputs = {k: v.cuda() for k, v in kit.wan_inputs(torch.bfloat16).items()}
+    with torch.inference_mode():
+        dense = model(**inputs, return_dict=False)[0]
+    outs = {}
+    for fuse in (True, False):
+        session = install_diffusion_accelerations(
+            model, {"svdquant": {"artifact": str(artifact), "fuse_gelu": fuse}}, RuntimePolicy(device="cuda"),
+            registry=reg)
+        rid = f"r-{fuse}"
+        with request_scope(RequestContext(rid)), torch.inference_mode():
+            outs[fuse] = model(**inputs, return_dict=False)[0]
+        record = session.execution_report()["plugins"]["svdquant"]["model"]["requests"][rid]
+        targets = next(iter(session.handles("svdquant").values())).runtime.targets
+        if all(t.backend == "w4f8" for t in targets.values()):
+            for block in ("blocks.0.ffn", "blocks.1.ffn"):
+                fused_kind = record["modules"].get(block, {})
+                assert fused_kind == ({"w4f8_gelu_fused": 1} if fuse else {})
+                assert record["modules"][f"{block}.net.2"] == {"w4f8": 1}
+        session.uninstall()
+        with torch.inference_mode():
+            assert torch.equal(model(**inputs, return_dict=False)[0], dense)
+    assert float((outs[True].float() - dense.float()).norm() / dense.float().norm()) < 0.05
+    # the fused GELU rounds slightly differently from torch's; both quantize the same activations otherwise
+    assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 0.01

@@ -13,7 +13,7 @@ def test_defaults_and_json():
     opts = Options.from_mapping({"artifact": "a.json"})
     assert (opts.include, opts.keep_original, opts.backend) == (None, "device", "auto")
     assert opts.to_json() == {"artifact": "a.json", "include": None, "keep_original": "device", "backend": "auto",
-                              "fast_accum": True}
+                              "fast_accum": True, "fuse_gelu": True}
     assert prepare.options_class is Options
 
 

@@ -34,6 +34,7 @@ from worldfoundry.plugin import (
     refuse_common,
     refuse_module_hooks,
 )
+from worldfoundry.core.acceleration.ffn_structure import fusion_note as ffn_fusion_note
 from worldfoundry_selective_fp8.ffn_fusion import FUSED_KIND, FusableFFN, FusedFFN, plan_ffn_fusion
 from worldfoundry_selective_fp8.options import PLUGIN_NAME, Options
 from worldfoundry_selective_fp8.runtime import SelectiveFP8Handle, SelectiveFP8Runtime
@@ -87,17 +88,7 @@ def memory_note(selected: Sequence[SelectedLinear]) -> str:
 
 def fusion_note(fused: Sequence[FusableFFN], not_fused: Mapping[str, str]) -> str:
     """One sentence about the fused GELU producers (and the candidate FFNs left unfused, with why)."""
-    if not fused and not not_fused:
-        return "no FFN has both Linears selected: every selected Linear runs its own activation quantization"
-    text = (f"{len(fused)} FFN(s) run GELU + the down projection's activation quantization as one kernel "
-            f"(receipt kind '{FUSED_KIND}'); this avoids writing the bfloat16 GELU output (M x inner x 2 bytes "
-            "per call) and reading it back; the kernel's GELU is within 2**-8*|gelu| + 2**-20*|x| of the exact "
-            "formula but not bitwise torch's (most bf16 values equal), so fusing changes rounding slightly "
-            "versus the per-Linear path")
-    if not_fused:
-        shown = "; ".join(f"{path}: {why}" for path, why in list(not_fused.items())[:4])
-        text += f". Not fused ({len(not_fused)}; per-Linear path): {shown}"
-    return text
+    return ffn_fusion_note(fused, not_fused, FUSED_KIND)
 
 
 def _select(model: nn.Module, include: Sequence[str], exclude: Sequence[str]) -> list[SelectedLinear]:

@@ -38,6 +38,8 @@ class Options(PluginOptions):
             ``"reference"``.
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation (default true; on the H200 W81 FFN
             shapes it changed the Linear's relative L2 to bf16 by less than 1e-4 and saved 10-15 %).
+        fuse_gelu: W4F8 only: when both Linears of a diffusers ``FeedForward`` run W4F8, compute the GELU, the
+            smoothing and the down projection's FP8 quantization in one kernel (:mod:`.ffn_fusion`).
 
     Raises:
         AccelerationOptionsError: missing artifact, unknown key or bad value (the message names the path).
@@ -53,6 +55,7 @@ class Options(PluginOptions):
     keep_original: str = option("device", choice(*KEEP_ORIGINAL))
     backend: str = option("auto", choice(*BACKENDS))
     fast_accum: bool = option(True, boolean(expected="true/false"))
+    fuse_gelu: bool = option(True, boolean(expected="true/false"))
 
     def validate(self) -> None:
         if self.artifact is None:

@@ -34,6 +34,10 @@ from worldfoundry.plugin import (
     refuse_common,
     refuse_module_hooks,
 )
+from worldfoundry.core.acceleration.ffn_structure import FusableFFN, plan_ffn_fusion
+from worldfoundry.core.acceleration.ffn_structure import fusion_note as ffn_fusion_note
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend
+from worldfoundry_svdquant.ffn_fusion import FUSED_KIND, FusedW4F8FFN
 from worldfoundry_svdquant.options import PLUGIN_NAME, Options
 from worldfoundry_svdquant.runtime import SVDQuantHandle, SVDQuantRuntime
 
@@ -118,7 +122,7 @@ def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
 
 
 def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selected: Sequence[SelectedLinear],
-              summary: dict[str, Any]) -> SVDQuantHandle:
+              summary: dict[str, Any], fused: Sequence[FusableFFN]) -> SVDQuantHandle:
     """Bind the artifact's weights, move dense weights to the host if asked, guard and wrap (all recorded)."""
     ledger = ExecutionLedger(PLUGIN_NAME)
     runtime = SVDQuantRuntime(opts, ledger)
@@ -132,8 +136,23 @@ def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selec
                                                   plugin=PLUGIN_NAME)
         for s in selected:
             rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+        for plan in fused:
+            rec.wrap_forward(plan.ffn, FusedW4F8FFN(runtime, plan).make_wrapper, name=PLUGIN_NAME)
         patches = rec.pop_all()
     return SVDQuantHandle(patches, ledger, runtime, summary)
+
+
+def plan_fusion(model: nn.Module, opts: Options, artifact: SVDQuantArtifact,
+                selected: Sequence[SelectedLinear]) -> tuple[list[FusableFFN], dict[str, str]]:
+    """The FFNs whose GELU producer runs fused: both Linears selected, structure reproducible, and W4F8 the
+    backend on their device (a weight the W4F8 preparation later refuses runs unfused, per call)."""
+    if not selected:
+        return [], {}
+    device = selected[0].module.weight.device
+    backend = choose_backend(device, opts.backend, int(artifact.manifest["group_size"])).backend
+    if backend != "w4f8":
+        return [], {}
+    return plan_ffn_fusion(model, [s.path for s in selected], enabled=opts.fuse_gelu)
 
 
 def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy) -> PreparedAcceleration:
@@ -141,7 +160,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
 
     Args:
         model: a diffusers DiT (or any module whose Linear paths the artifact names).
-        options: ``{"artifact", "include", "keep_original", "backend", "fast_accum"}``.
+        options: ``{"artifact", "include", "keep_original", "backend", "fast_accum", "fuse_gelu"}``.
         policy: the runtime policy (unused: the plugin runs on the model's own device).
 
     Returns:
@@ -163,15 +182,17 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     refuse_module_hooks([(s.path, s.module) for s in selected], PLUGIN_NAME)
     verify_sources(artifact, selected)
     summary = _artifact_summary(artifact)
+    fused, not_fused = plan_fusion(model, opts, artifact, selected)
 
     def activate() -> SVDQuantHandle:
-        return _activate(model, opts, artifact, selected, summary)
+        return _activate(model, opts, artifact, selected, summary, fused)
 
     resolved = opts.to_json()
     resolved["modules"] = len(selected)
     return PreparedAcceleration(
         name=PLUGIN_NAME,
-        claims=frozenset({s.path for s in selected} | {ROLE_QUANTIZATION, ROLE_WEIGHT_VIEW}),
+        claims=frozenset({s.path for s in selected} | {p.claim for p in fused} | {ROLE_QUANTIZATION,
+                                                                                  ROLE_WEIGHT_VIEW}),
         activate=activate,
         incompatible_with=INCOMPATIBLE_ROLES,
         options=resolved,
@@ -182,6 +203,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             f"activations, from {artifact.file}",
             "keep_original cpu: dense weights move to pinned host memory (device weight memory drops); device: "
             "dense weights stay and the quantized tensors are added",
+            ffn_fusion_note(fused, not_fused, FUSED_KIND) if fused or not_fused else
+            "GELU producer fusion: only with the W4F8 backend and both Linears of an FFN selected",
             "runs W4F8 (per-channel artifacts: FP8 activations and codes, one torch._scaled_mm with the low-rank "
             "branch as FP8 head/tail codes) or W4A8 (group-wise: Triton, INT8 tensor cores) on sm_90+, W4A16 on "
             "other CUDA GPUs and the torch reference of the W4A8 numerics on the CPU; receipts name the backend "

@@ -108,7 +108,7 @@ class SVDQuantRuntime:
             def forward(input: torch.Tensor) -> torch.Tensor:
                 if self.guard is not None:
                     self.guard.verify(path)
-                reason = self._dense_reason(target, input)
+                reason = self.dense_reason(target, input)
                 if reason is not None:
                     if target.host_copy is not None:
                         raise InferenceViewError(
@@ -128,7 +128,8 @@ class SVDQuantRuntime:
 
         return make
 
-    def _dense_reason(self, target: _Target, x: torch.Tensor) -> str | None:
+    def dense_reason(self, target: _Target, x: torch.Tensor) -> str | None:
+        """Why ``x`` needs the dense Linear (``None`` when the quantized one runs)."""
         if x.device != target.weight.device:
             return REASON_OTHER_DEVICE
         if torch.is_grad_enabled() and x.requires_grad:

@@ -150,3 +150,23 @@ def test_backend_choice_off_cuda():
     cpu = torch.device("cpu")
     assert choose_backend(cpu, "w4f8").backend == "reference"
     assert choose_backend(cpu, "w4f8").reason == "cpu device"
+
+
+@pytest.mark.parametrize("k", [100, 1536, 2304])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_held_smoothing_quantizer_is_bitwise_the_rowwise_one(k, gelu):
+    from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
+    from worldfoundry.core.acceleration.kernels.fp8_smoothed_quant import triton_quantize_smoothed_fp8
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(37, k, generator=gen).to(torch.bfloat16)
+    inv = torch.rand(k, generator=gen) + 0.5
+    quant = dict(zip(("activation", "constants"), _KERNEL_ARGS["tanh"], strict=True)) if gelu else {}
+    q, s = triton_quantize_smoothed_fp8(x, inv, **quant)
+    q_ref, s_ref, _ = launch_rowwise_fp8(x, inv_smooth=inv, **quant)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    if not gelu:
+        ref_q, ref_s = quantize_rowwise_fp8(smoothed_rows(x, inv))
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    with pytest.raises(QuantizationInputError, match="inv_smooth must be float32"):
+        triton_quantize_smoothed_fp8(x, inv[:-1])

@@ -52,6 +52,7 @@ from typing import Final
 import torch
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
+from worldfoundry.core.acceleration.kernels.fp8_smoothed_quant import triton_quantize_smoothed_fp8
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.core.acceleration.quantization.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
@@ -227,17 +228,23 @@ def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_n: int
 
 
 def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_m: int = 64,
-                       block_k: int = 128, **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_k: int = 128, held_smoothing: bool = True,
+                       **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A = [q_x | a_h | a_t | a_h / 16], s_x)``: FP8 codes of ``x / λ`` (two launches: the quantizer, then the
     appended low-rank codes computed from those codes, ``a = (q_x @ D̂.T) / α``).
 
     ``quant`` goes to the quantizer (e.g. ``activation`` and ``constants`` for a fused GELU producer, whose input
-    ``x2d`` is then the pre-activation).
+    ``x2d`` is then the pre-activation). With smoothing the quantizer is
+    :func:`~worldfoundry.core.acceleration.kernels.fp8_smoothed_quant.triton_quantize_smoothed_fp8` (the vector
+    held in registers; ``held_smoothing=False``: the rowwise kernel, same bytes).
     """
     m, k = x2d.shape
     a = torch.empty((m, k + prep.extra), dtype=FP8_DTYPE, device=x2d.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
-    launch_rowwise_fp8(x2d, inv_smooth=weight.inv_smooth, q_out=a, scale_out=scale, **quant)
+    if weight.inv_smooth is not None and held_smoothing:
+        triton_quantize_smoothed_fp8(x2d, weight.inv_smooth, q_out=a, scale_out=scale, **quant)
+    else:
+        launch_rowwise_fp8(x2d, inv_smooth=weight.inv_smooth, q_out=a, scale_out=scale, **quant)
     if prep.rank and m:
         if interpreter_enabled():
             block_m, block_k = 16, 32
