@@ -375,19 +375,10 @@ def launch_rowwise_fp8(
     k = shape[-1]
     rows = _as_rows(x)
     m = rows.shape[0]
-    q = _checked_out(q_out, (m, k), FP8_DTYPE, x.device) if q_out is not None else torch.empty(
-        (m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = _checked_out(scale_out, (m, 1), torch.float32, x.device) if scale_out is not None else torch.empty(
-        (m, 1), dtype=torch.float32, device=x.device)
+    q, scale = _out_buffers(q_out, scale_out, m, k, x.device)
     act = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if store_activation else None
     if m > 0:
-        block_m, p0, p1, p2, block_k, single, num_warps = _config(int(k), int(activation))
-        if config:
-            block_m = int(config.get("BLOCK_M", block_m))
-            num_warps = int(config.get("num_warps", num_warps))
-            if config.get("SINGLE_PASS", single) is False and single:  # two passes over BLOCK_K chunks instead
-                single, block_k = False, int(config.get("BLOCK_K", MULTI_PASS_BLOCK_K))
-                p0, p1, p2 = block_k, 0, 0
+        block_m, p0, p1, p2, block_k, single, num_warps = _overridden(_config(int(k), int(activation)), config)
         counter = clip_counter if clip_counter is not None else scale
         act_arg = act if act is not None else q
         args = (
@@ -400,16 +391,43 @@ def launch_rowwise_fp8(
             "PORTABLE_MATH": interpreted if portable_math is None else bool(portable_math),
             "COUNT_CLIPS": clip_counter is not None,
             "SOFTWARE_ROUNDING": interpreted if software_rounding is None else bool(software_rounding),
-            "num_warps": num_warps,
+            "num_warps": num_warps, **_smoothing(inv_smooth, k, x.device),
         }
-        if inv_smooth is not None:
-            if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or inv_smooth.device != x.device:
-                raise QuantizationInputError(f"launch_rowwise_fp8: inv_smooth must be float32 [{k}] on {x.device}")
-            kwargs.update(smooth_ptr=inv_smooth, HAS_SMOOTH=True)
         _launch_on(x.device, (triton.cdiv(m, block_m),), args, kwargs)
     if q_out is not None:
         return q[:, :k], scale, act
     return q.view(shape), scale.view(*shape[:-1], 1), act.view(shape) if act is not None else None
+
+
+def _smoothing(inv_smooth: torch.Tensor | None, k: int, device: torch.device) -> dict[str, Any]:
+    """The kernel arguments of the optional smoothing vector (checked: float32 ``[K]`` on ``device``)."""
+    if inv_smooth is None:
+        return {}
+    if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or inv_smooth.device != device:
+        raise QuantizationInputError(f"launch_rowwise_fp8: inv_smooth must be float32 [{k}] on {device}")
+    return {"smooth_ptr": inv_smooth, "HAS_SMOOTH": True}
+
+
+def _overridden(chosen: tuple[int, int, int, int, int, bool, int],
+                config: dict[str, Any] | None) -> tuple[int, int, int, int, int, bool, int]:
+    """:func:`_config`'s choice with a benchmark's ``BLOCK_M`` / ``num_warps`` / ``SINGLE_PASS: False`` override."""
+    block_m, p0, p1, p2, block_k, single, num_warps = chosen
+    if config:
+        block_m = int(config.get("BLOCK_M", block_m))
+        num_warps = int(config.get("num_warps", num_warps))
+        if config.get("SINGLE_PASS", single) is False and single:  # two passes over BLOCK_K chunks instead
+            single, block_k = False, int(config.get("BLOCK_K", MULTI_PASS_BLOCK_K))
+            p0, p1, p2 = block_k, 0, 0
+    return block_m, p0, p1, p2, block_k, single, num_warps
+
+
+def _out_buffers(q_out: torch.Tensor | None, scale_out: torch.Tensor | None, m: int, k: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _checked_out(q_out, (m, k), FP8_DTYPE, device) if q_out is not None else torch.empty(
+        (m, k), dtype=FP8_DTYPE, device=device)
+    scale = _checked_out(scale_out, (m, 1), torch.float32, device) if scale_out is not None else torch.empty(
+        (m, 1), dtype=torch.float32, device=device)
+    return q, scale
 
 
 def _checked_out(buf: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
