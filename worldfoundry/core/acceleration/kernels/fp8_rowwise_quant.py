@@ -358,14 +358,10 @@ def launch_rowwise_fp8(
             interpreter).
         portable_math: tanh/erf without libdevice (default: only under the interpreter, which has none).
         store_activation: also return the activation output (bfloat16; for tests and benchmarks).
-        config: override of :func:`launch_config`'s ``BLOCK_M``/``num_warps``, and ``SINGLE_PASS: False`` with
-            a ``BLOCK_K`` chunk for two passes over a row that would fit one (benchmark sweeps); the result does
-            not depend on it.
-        inv_smooth: optional float32 ``[K]`` multiplied into every column after the activation (SVDQuant's
-            ``1 / λ``); the result is the reference of ``float32(act(x)) * inv_smooth``.
-        q_out / scale_out: optional FP8 ``[M, >= K]`` (unit column stride) and float32 ``[M, 1]`` buffers to
-            write into (the codes fill columns ``:K``; a wider buffer leaves the rest to the caller). The codes
-            are then returned as the 2-D ``[M, K]`` view of ``q_out``.
+        config: benchmark override (:func:`_overridden`); the result does not depend on it.
+        inv_smooth: optional float32 ``[K]`` multiplied into every column after the activation (``1 / λ``).
+        q_out / scale_out: optional FP8 ``[M, >= K]`` and float32 ``[M, 1]`` buffers (codes fill ``:K``;
+            returned as the ``[M, K]`` view of ``q_out``).
 
     Returns:
         ``(q, scale, activation_output_or_None)``.
