@@ -1,6 +1,5 @@
 """Which diffusers ``FeedForward`` modules a producer fusion may replace: the structure checks shared by the
-plugins that fuse an FFN's GELU into the down projection's activation quantization (``selective_fp8``,
-``svdquant``).
+plugins that fuse an FFN's GELU into the down projection's activation quantization.
 
 A diffusers ``FeedForward`` is ``net = [GELU(.proj Linear), Dropout, Linear(, Dropout)]``. :func:`plan_ffn_fusion`
 lists the FFNs whose up (``net.0.proj``) and down (``net.2``) Linears are both selected and whose structure the
@@ -18,7 +17,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import GELU_APPROXIMATIONS
-from worldfoundry.plugin import ROOT_MODULE
+from worldfoundry.core.acceleration.prepared import ROOT_MODULE
 
 UP_SUFFIX: Final = "net.0.proj"
 DOWN_SUFFIX: Final = "net.2"
