@@ -9,10 +9,11 @@ forwards, no hooks on the inner modules), and says for every other candidate why
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_globals
 
@@ -138,6 +139,60 @@ def global_hooks() -> bool:
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called"))
 
 
+class FusedFFNForward:
+    """Base of a producer-fused FFN forward: the wrapper and the call-time checks the fusions share.
+
+    A subclass sets the ``SKIP_*`` messages (receipt ``skipped`` keys) and implements :meth:`linears_run` (``False``
+    when a Linear would not take the plugin's path, which then records why itself) and :meth:`run`.
+    """
+
+    SKIP_ARGUMENTS: str = "ffn fusion: extra forward arguments"
+    SKIP_HOOKS: str = "ffn fusion: forward hooks on inner modules"
+    SKIP_DROPOUT: str = "ffn fusion: dropout active"
+    SKIP_APPROXIMATE: str = "ffn fusion: unsupported GELU approximate"
+
+    def __init__(self, runtime: Any, plan: FusableFFN) -> None:
+        self.runtime = runtime
+        self.plan = plan
+        self.up = runtime.targets[plan.up_path]
+        self.down = runtime.targets[plan.down_path]
+        self._inner = (plan.activation, *plan.dropouts, self.up.linear, self.down.linear)
+
+    def make_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The ``make_wrapper`` handed to ``PatchRecorder.wrap_forward`` for the FFN."""
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            skip = self.skip_reason(hidden_states, args, kwargs)
+            if skip is None:
+                return self.run(hidden_states)
+            if skip:
+                self.runtime.ledger.skipped(skip)
+            return original(hidden_states, *args, **kwargs)
+
+        return forward
+
+    def skip_reason(self, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """``None``: run fused. ``""``: a Linear would not take the plugin's path. Else why this call runs
+        unfused although it could."""
+        if not self.linears_run(x):
+            return ""
+        if args or kwargs:
+            return self.SKIP_ARGUMENTS
+        if any(has_hooks(m) for m in self._inner) or global_hooks():
+            return self.SKIP_HOOKS
+        if any(d.training and getattr(d, "p", 0.0) > 0 for d in self.plan.dropouts):
+            return self.SKIP_DROPOUT
+        if getattr(self.plan.activation, "approximate", None) not in GELU_APPROXIMATIONS:
+            return self.SKIP_APPROXIMATE
+        return None
+
+    def linears_run(self, x: torch.Tensor) -> bool:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+
 def fusion_note(fused: list[FusableFFN] | tuple[FusableFFN, ...], not_fused: dict[str, str], kind: str) -> str:
     """One sentence about the fused GELU producers (receipt ``kind``) and the candidate FFNs left unfused."""
     if not fused and not not_fused:
@@ -153,4 +208,4 @@ def fusion_note(fused: list[FusableFFN] | tuple[FusableFFN, ...], not_fused: dic
     return text
 
 
-__all__ = ["DOWN_SUFFIX", "UP_SUFFIX", "FusableFFN", "fusion_note", "global_hooks", "has_hooks", "plan_ffn_fusion"]
+__all__ = ["DOWN_SUFFIX", "UP_SUFFIX", "FusableFFN", "FusedFFNForward", "fusion_note", "global_hooks", "has_hooks", "plan_ffn_fusion"]

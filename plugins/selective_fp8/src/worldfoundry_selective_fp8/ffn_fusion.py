@@ -28,16 +28,14 @@ notes and the execution report say why. Hooks on the FFN itself or its parents k
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import torch
 
-from worldfoundry.core.acceleration.ffn_structure import FusableFFN, global_hooks, has_hooks, plan_ffn_fusion
+from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward, plan_ffn_fusion
 from worldfoundry.core.acceleration.kernels.dispatch import (
     gelu_quantize_activations_rowwise_fp8,
 )
-from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import GELU_APPROXIMATIONS
 from worldfoundry.core.acceleration.quantization.fp8_linear import scaled_mm_rowwise
 
 #: ``ledger.executed`` kind of one fused FFN call (recorded on the FFN path).
@@ -50,49 +48,23 @@ SKIP_ARGUMENTS: Final = "fp8_gelu_fusion: extra forward arguments"
 SKIP_APPROXIMATE: Final = "fp8_gelu_fusion: unsupported GELU approximate"
 
 
-class FusedFFN:
+class FusedFFN(FusedFFNForward):
     """The replacement forward of one :class:`FusableFFN`, sharing the plugin's runtime and ledger."""
 
-    def __init__(self, runtime: Any, plan: FusableFFN) -> None:
-        self.runtime = runtime
-        self.plan = plan
-        self.up = runtime.targets[plan.up_path]
-        self.down = runtime.targets[plan.down_path]
-        self._inner = (plan.activation, *plan.dropouts, self.up.linear, self.down.linear)
+    SKIP_ARGUMENTS = SKIP_ARGUMENTS
+    SKIP_HOOKS = SKIP_HOOKS
+    SKIP_DROPOUT = SKIP_DROPOUT
+    SKIP_APPROXIMATE = SKIP_APPROXIMATE
 
-    def make_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """The ``make_wrapper`` handed to :meth:`PatchRecorder.wrap_forward` for the FFN."""
-
-        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            skip = self.skip_reason(hidden_states, args, kwargs)
-            if skip is None:
-                return self.run(hidden_states)
-            if skip:
-                self.runtime.ledger.skipped(skip)
-            return original(hidden_states, *args, **kwargs)
-
-        return forward
-
-    def skip_reason(self, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """``None``: run fused. ``""``: a Linear would not run FP8 (the per-Linear path records why). Else the
-        reason this call runs unfused although FP8 could run."""
+    def linears_run(self, x: torch.Tensor) -> bool:
+        """Both Linears run FP8 for this input (guards verified first)."""
         runtime = self.runtime
         runtime.guard.verify(self.plan.up_path)
         runtime.guard.verify(self.plan.down_path)
         if runtime.fallback_reason(self.up, x) is not None:
-            return ""
+            return False
         rows = x.numel() // self.up.in_features
-        if runtime.call_reason(self.down, x.device, torch.bfloat16, rows, False) is not None:
-            return ""
-        if args or kwargs:
-            return SKIP_ARGUMENTS
-        if any(has_hooks(m) for m in self._inner) or global_hooks():
-            return SKIP_HOOKS
-        if any(d.training and getattr(d, "p", 0.0) > 0 for d in self.plan.dropouts):
-            return SKIP_DROPOUT
-        if getattr(self.plan.activation, "approximate", None) not in GELU_APPROXIMATIONS:
-            return SKIP_APPROXIMATE
-        return None
+        return runtime.call_reason(self.down, x.device, torch.bfloat16, rows, False) is None
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         runtime, down = self.runtime, self.down

@@ -24,13 +24,12 @@ passed, a dropout is active, hooks sit on the inner modules (or global module ho
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import torch
 
-from worldfoundry.core.acceleration.ffn_structure import FusableFFN, global_hooks, has_hooks
-from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS, GELU_APPROXIMATIONS
+from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward
+from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import activation_operand, scaled_mm_w4f8
 
 #: ``ledger.executed`` kind of one fused FFN call (recorded on the FFN path).
@@ -41,45 +40,19 @@ SKIP_ARGUMENTS: Final = "w4f8_gelu_fusion: extra forward arguments"
 SKIP_APPROXIMATE: Final = "w4f8_gelu_fusion: unsupported GELU approximate"
 
 
-class FusedW4F8FFN:
+class FusedW4F8FFN(FusedFFNForward):
     """The replacement forward of one :class:`FusableFFN`, sharing the plugin's runtime and ledger."""
 
-    def __init__(self, runtime: Any, plan: FusableFFN) -> None:
-        self.runtime = runtime
-        self.plan = plan
-        self.up = runtime.targets[plan.up_path]
-        self.down = runtime.targets[plan.down_path]
-        self._inner = (plan.activation, *plan.dropouts, self.up.linear, self.down.linear)
+    SKIP_ARGUMENTS = SKIP_ARGUMENTS
+    SKIP_HOOKS = SKIP_HOOKS
+    SKIP_DROPOUT = SKIP_DROPOUT
+    SKIP_APPROXIMATE = SKIP_APPROXIMATE
 
-    def make_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """The ``make_wrapper`` handed to :meth:`PatchRecorder.wrap_forward` for the FFN."""
-
-        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            skip = self.skip_reason(hidden_states, args, kwargs)
-            if skip is None:
-                return self.run(hidden_states)
-            if skip:
-                self.runtime.ledger.skipped(skip)
-            return original(hidden_states, *args, **kwargs)
-
-        return forward
-
-    def skip_reason(self, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """``None``: run fused. ``""``: a Linear would not run W4F8 (its own path records why). Else the reason
-        this call runs unfused although W4F8 could run."""
+    def linears_run(self, x: torch.Tensor) -> bool:
+        """Both Linears run W4F8 for this input."""
         if self.up.backend != "w4f8" or self.down.backend != "w4f8" or x.device != self.up.weight.device:
-            return ""
-        if self.runtime.dense_reason(self.up, x) is not None:
-            return ""
-        if args or kwargs:
-            return SKIP_ARGUMENTS
-        if any(has_hooks(m) for m in self._inner) or global_hooks():
-            return SKIP_HOOKS
-        if any(d.training and getattr(d, "p", 0.0) > 0 for d in self.plan.dropouts):
-            return SKIP_DROPOUT
-        if getattr(self.plan.activation, "approximate", None) not in GELU_APPROXIMATIONS:
-            return SKIP_APPROXIMATE
-        return None
+            return False
+        return self.runtime.dense_reason(self.up, x) is None
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         runtime, up, down = self.runtime, self.up, self.down

@@ -120,20 +120,29 @@ if TRITON_AVAILABLE:
                        False, WIDEN)
 
     @triton.jit
-    def _codes_lowrank_kernel(q_ptr, s_ptr, d_ptr, t_ptr, M, K, stride_q, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+    def codes_down_projection(q_ptr, rows, rmask, stride_q, d_ptr, K, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
+        """``float32 [BLOCK_M, RANK]`` = ``q[rows] @ D̂.T``: FP8 codes (row stride ``stride_q``) widened to bfloat16,
+        ``D̂`` bfloat16 ``[RANK, K]``, one ``tl.dot`` per ``BLOCK_K`` columns."""
         r = tl.arange(0, RANK)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + kk
             cmask = cols < K
-            x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                        other=0.0).to(tl.bfloat16)
+            x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.bfloat16)
             d = tl.load(d_ptr + r[None, :] * K + cols[:, None], mask=cmask[:, None], other=0.0)
             acc = tl.dot(_widen(x, WIDEN), _widen(d, WIDEN), acc)
+        return acc
+
+    @triton.jit
+    def _codes_lowrank_kernel(q_ptr, s_ptr, d_ptr, t_ptr, M, K, stride_q, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        r = tl.arange(0, RANK)
+        acc = codes_down_projection(q_ptr, rows, rmask, stride_q, d_ptr, K, RANK, BLOCK_M, BLOCK_K, WIDEN)
         acc = acc * tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
         tl.store(t_ptr + rows.to(tl.int64)[:, None] * RANK + r[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
 

@@ -69,7 +69,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _round_to_e4m3_grid
-    from worldfoundry.core.acceleration.kernels.w4a8_tiles import _widen
+    from worldfoundry.core.acceleration.kernels.w4f8_gemm import codes_down_projection
 
     @triton.jit
     def _expand_lut_kernel(wq_ptr, exp_ptr, lut_ptr, up_ptr, out_ptr, N, KH, RH, stride_out, BLOCK_N: tl.constexpr,
@@ -100,15 +100,7 @@ if TRITON_AVAILABLE:
         rmask = rows < M
         rows64 = rows.to(tl.int64)
         r = tl.arange(0, RANK)
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + kk
-            cmask = cols < K
-            q = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                        other=0.0).to(tl.bfloat16)
-            d = tl.load(d_ptr + r[None, :] * K + cols[:, None], mask=cmask[:, None], other=0.0)
-            acc = tl.dot(_widen(q, WIDEN), _widen(d, WIDEN), acc)
+        acc = codes_down_projection(a_ptr, rows, rmask, stride_a, d_ptr, K, RANK, BLOCK_M, BLOCK_K, WIDEN)
         a = acc / tl.load(alpha_ptr + r)[None, :]
         a = tl.minimum(tl.maximum(a, -448.0), 448.0)
         # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (an fp8 -> fp32
