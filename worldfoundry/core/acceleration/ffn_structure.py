@@ -139,17 +139,21 @@ def global_hooks() -> bool:
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called"))
 
 
+def skip_messages(prefix: str) -> dict[str, str]:
+    """The receipt ``skipped`` keys of a fused FFN call that ran unfused, by cause."""
+    return {"arguments": f"{prefix}: extra forward arguments", "hooks": f"{prefix}: forward hooks on inner modules",
+            "dropout": f"{prefix}: dropout active", "approximate": f"{prefix}: unsupported GELU approximate"}
+
+
 class FusedFFNForward:
     """Base of a producer-fused FFN forward: the wrapper and the call-time checks the fusions share.
 
-    A subclass sets the ``SKIP_*`` messages (receipt ``skipped`` keys) and implements :meth:`linears_run` (``False``
-    when a Linear would not take the plugin's path, which then records why itself) and :meth:`run`.
+    A subclass sets ``PREFIX`` (the receipt ``skipped`` keys are :func:`skip_messages` of it) and implements
+    :meth:`linears_run` (``False`` when a Linear would not take the plugin's path, which then records why itself)
+    and :meth:`run`.
     """
 
-    SKIP_ARGUMENTS: str = "ffn fusion: extra forward arguments"
-    SKIP_HOOKS: str = "ffn fusion: forward hooks on inner modules"
-    SKIP_DROPOUT: str = "ffn fusion: dropout active"
-    SKIP_APPROXIMATE: str = "ffn fusion: unsupported GELU approximate"
+    PREFIX: str = "ffn_fusion"
 
     def __init__(self, runtime: Any, plan: FusableFFN) -> None:
         self.runtime = runtime
@@ -176,14 +180,15 @@ class FusedFFNForward:
         unfused although it could."""
         if not self.linears_run(x):
             return ""
+        messages = skip_messages(self.PREFIX)
         if args or kwargs:
-            return self.SKIP_ARGUMENTS
+            return messages["arguments"]
         if any(has_hooks(m) for m in self._inner) or global_hooks():
-            return self.SKIP_HOOKS
+            return messages["hooks"]
         if any(d.training and getattr(d, "p", 0.0) > 0 for d in self.plan.dropouts):
-            return self.SKIP_DROPOUT
+            return messages["dropout"]
         if getattr(self.plan.activation, "approximate", None) not in GELU_APPROXIMATIONS:
-            return self.SKIP_APPROXIMATE
+            return messages["approximate"]
         return None
 
     def linears_run(self, x: torch.Tensor) -> bool:  # pragma: no cover - every subclass overrides it
@@ -208,4 +213,4 @@ def fusion_note(fused: list[FusableFFN] | tuple[FusableFFN, ...], not_fused: dic
     return text
 
 
-__all__ = ["DOWN_SUFFIX", "UP_SUFFIX", "FusableFFN", "FusedFFNForward", "fusion_note", "global_hooks", "has_hooks", "plan_ffn_fusion"]
+__all__ = ["DOWN_SUFFIX", "UP_SUFFIX", "FusableFFN", "FusedFFNForward", "fusion_note", "skip_messages", "global_hooks", "has_hooks", "plan_ffn_fusion"]

@@ -32,7 +32,7 @@ from typing import Final
 
 import torch
 
-from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward, plan_ffn_fusion
+from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward, skip_messages, plan_ffn_fusion
 from worldfoundry.core.acceleration.kernels.dispatch import (
     gelu_quantize_activations_rowwise_fp8,
 )
@@ -42,19 +42,17 @@ from worldfoundry.core.acceleration.quantization.fp8_linear import scaled_mm_row
 FUSED_KIND: Final = "fp8_gelu_fused"
 #: Counter bumped when the fused producer ran the torch reference (GELU + quantization) instead of the kernel.
 GELU_REFERENCE_COUNTER: Final = "gelu_quant_torch_reference"
-SKIP_HOOKS: Final = "fp8_gelu_fusion: forward hooks on inner modules"
-SKIP_DROPOUT: Final = "fp8_gelu_fusion: dropout active"
-SKIP_ARGUMENTS: Final = "fp8_gelu_fusion: extra forward arguments"
-SKIP_APPROXIMATE: Final = "fp8_gelu_fusion: unsupported GELU approximate"
+_MESSAGES: Final = skip_messages("fp8_gelu_fusion")
+SKIP_HOOKS: Final = _MESSAGES["hooks"]
+SKIP_DROPOUT: Final = _MESSAGES["dropout"]
+SKIP_ARGUMENTS: Final = _MESSAGES["arguments"]
+SKIP_APPROXIMATE: Final = _MESSAGES["approximate"]
 
 
 class FusedFFN(FusedFFNForward):
     """The replacement forward of one :class:`FusableFFN`, sharing the plugin's runtime and ledger."""
 
-    SKIP_ARGUMENTS = SKIP_ARGUMENTS
-    SKIP_HOOKS = SKIP_HOOKS
-    SKIP_DROPOUT = SKIP_DROPOUT
-    SKIP_APPROXIMATE = SKIP_APPROXIMATE
+    PREFIX = "fp8_gelu_fusion"
 
     def linears_run(self, x: torch.Tensor) -> bool:
         """Both Linears run FP8 for this input (guards verified first)."""

@@ -28,25 +28,23 @@ from typing import Final
 
 import torch
 
-from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward
+from worldfoundry.core.acceleration.ffn_structure import FusableFFN, FusedFFNForward, skip_messages
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import activation_operand, scaled_mm_w4f8
 
 #: ``ledger.executed`` kind of one fused FFN call (recorded on the FFN path).
 FUSED_KIND: Final = "w4f8_gelu_fused"
-SKIP_HOOKS: Final = "w4f8_gelu_fusion: forward hooks on inner modules"
-SKIP_DROPOUT: Final = "w4f8_gelu_fusion: dropout active"
-SKIP_ARGUMENTS: Final = "w4f8_gelu_fusion: extra forward arguments"
-SKIP_APPROXIMATE: Final = "w4f8_gelu_fusion: unsupported GELU approximate"
+_MESSAGES: Final = skip_messages("w4f8_gelu_fusion")
+SKIP_HOOKS: Final = _MESSAGES["hooks"]
+SKIP_DROPOUT: Final = _MESSAGES["dropout"]
+SKIP_ARGUMENTS: Final = _MESSAGES["arguments"]
+SKIP_APPROXIMATE: Final = _MESSAGES["approximate"]
 
 
 class FusedW4F8FFN(FusedFFNForward):
     """The replacement forward of one :class:`FusableFFN`, sharing the plugin's runtime and ledger."""
 
-    SKIP_ARGUMENTS = SKIP_ARGUMENTS
-    SKIP_HOOKS = SKIP_HOOKS
-    SKIP_DROPOUT = SKIP_DROPOUT
-    SKIP_APPROXIMATE = SKIP_APPROXIMATE
+    PREFIX = "w4f8_gelu_fusion"
 
     def linears_run(self, x: torch.Tensor) -> bool:
         """Both Linears run W4F8 for this input."""
