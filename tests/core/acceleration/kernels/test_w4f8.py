@@ -146,10 +146,19 @@ def test_refusals_name_the_cause():
         sm.prepare_scaled_mm(huge)
 
 
-def test_backend_choice_off_cuda():
+def test_backend_choice_off_cuda_runs_the_w4f8_reference():
+    from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
+
     cpu = torch.device("cpu")
-    assert choose_backend(cpu, "w4f8").backend == "reference"
-    assert choose_backend(cpu, "w4f8").reason == "cpu device"
+    assert choose_backend(cpu, "w4f8") == choose_backend(cpu, "w4f8", 0)
+    assert (choose_backend(cpu, "w4f8").backend, choose_backend(cpu, "w4f8").reason) == ("reference_w4f8", "cpu device")
+    assert choose_backend(cpu, "w4f8", 128).backend == "reference"  # group-wise: the W4A8 reference
+    assert choose_backend(cpu, "auto").backend == "reference"
+    sq, _ = _weight(48, 256, 0)
+    x = torch.randn(5, 256)
+    y, used = svdquant_linear(x, sq, None, backend="w4f8")
+    assert used.backend == "reference_w4f8"
+    assert torch.equal(y, w4f8_linear_reference(x, sq, None, lowrank_from_codes=True))
 
 
 @pytest.mark.parametrize("k", [100, 1536, 2304])

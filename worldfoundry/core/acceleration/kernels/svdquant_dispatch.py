@@ -4,7 +4,9 @@
   ``torch._scaled_mm`` with the low-rank branch appended to the reduction
   (:mod:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm`); ``auto`` on sm_90+ for per-channel weights;
 * ``w4a8`` (Triton, INT8 tensor cores): ``auto`` on sm_90+ for group-wise scales (and where ``w4f8`` cannot run);
-* ``w4a16`` (Triton) on other CUDA GPUs; the torch reference of the W4A8 numerics elsewhere.
+* ``w4a16`` (Triton) on other CUDA GPUs; the torch reference of the W4A8 numerics elsewhere -- or, when ``w4f8``
+  is asked for explicitly off CUDA, ``reference_w4f8``: the torch reference of the W4F8 numerics (FP8
+  activations, the low-rank branch on the codes), so a CPU run shows what the GPU backend computes.
 
 Example:
     >>> import torch
@@ -38,10 +40,13 @@ from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
     SVDQuantWeight,
     w4a8_linear_reference,
     w4a16_linear_reference,
+    w4f8_linear_reference,
 )
 from worldfoundry.errors import QuantizationInputError
 
 BACKENDS: Final = ("auto", "w4f8", "w4a8", "w4a16", "reference")
+#: Kind of a call that ran the torch reference of the W4F8 numerics (``w4f8`` asked for off CUDA).
+REFERENCE_W4F8: Final = "reference_w4f8"
 #: Smallest capability ``auto`` runs W4A8 on (Hopper); INT8 tensor cores exist from sm_75/sm_80.
 W4A8_AUTO_CAPABILITY: Final = (9, 0)
 W4A8_MIN_CAPABILITY: Final = (8, 0)
@@ -61,7 +66,8 @@ FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """What ran: ``backend`` in ``("w4a8", "w4a16", "reference")``, and why it is not the requested one."""
+    """What ran: ``backend`` in ``("w4f8", "w4a8", "w4a16", "reference", "reference_w4f8")``, and why it is not the
+    requested one."""
 
     backend: str
     reason: str | None = None
@@ -107,6 +113,8 @@ def choose_backend(device: torch.device, requested: str = "auto", group_size: in
     if device.type != "cuda":
         if requested in ("w4a8", "w4a16") and interpreter_enabled():
             return BackendChoice(requested)
+        if requested == "w4f8" and group_size == PER_CHANNEL:
+            return BackendChoice(REFERENCE_W4F8, f"{device.type} device")
         return BackendChoice("reference", f"{device.type} device")
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = _capability(index)
@@ -175,6 +183,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
             return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features), choice
     if choice.backend == "reference":
         return w4a8_linear_reference(x, weight, bias), choice
+    if choice.backend == REFERENCE_W4F8:
+        return w4f8_linear_reference(x, weight, bias, lowrank_from_codes=True), choice
     lead = x.shape[:-1]
     x2d = x.reshape(-1, weight.in_features)
     if x2d.stride(-1) != 1:
@@ -194,14 +204,18 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     return out.reshape(*lead, weight.out_features), choice
 
 
-def reference_for(backend: str):  # noqa: ANN201 - returns one of two reference functions
-    """The torch reference of a backend's numerics (``w4a16`` has its own; everything else is W4A8's)."""
+def reference_for(backend: str):  # noqa: ANN201 - returns one of three reference functions
+    """The torch reference of a backend's numerics (``w4a16`` and ``w4f8`` have their own; everything else is
+    W4A8's)."""
+    if backend in ("w4f8", REFERENCE_W4F8):
+        return functools.partial(w4f8_linear_reference, lowrank_from_codes=True)
     return w4a16_linear_reference if backend == "w4a16" else w4a8_linear_reference
 
 
 __all__ = [
     "BACKENDS",
     "FUSED_QUANT_LOWRANK_MIN_K",
+    "REFERENCE_W4F8",
     "BackendChoice",
     "choose_backend",
     "lowrank_down",
