@@ -171,16 +171,9 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
     choice = choose_backend(x.device, backend, weight.group_size)
     if choice.backend == "w4f8":
-        try:
-            prep = scaled if scaled is not None else prepare_scaled_mm(weight)
-        except QuantizationInputError as exc:
-            choice = BackendChoice("w4a8", f"w4f8 refused: {exc}")
-        else:
-            x2d = x.reshape(-1, weight.in_features)
-            if x2d.stride(-1) != 1:
-                x2d = x2d.contiguous()
-            out = scaled_mm_w4f8(x2d, weight, prep, bias, use_fast_accum=fast_accum)
-            return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features), choice
+        out, choice = _w4f8(x, weight, bias, scaled, fast_accum)
+        if out is not None:
+            return out, choice
     if choice.backend == "reference":
         return w4a8_linear_reference(x, weight, bias), choice
     if choice.backend == REFERENCE_W4F8:
@@ -202,6 +195,20 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
+
+
+def _w4f8(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, scaled: ScaledMMWeight | None,
+          fast_accum: bool) -> tuple[torch.Tensor | None, BackendChoice]:
+    """The W4F8 Linear, or ``(None, W4A8 with the reason)`` when its preparation refuses the weight."""
+    try:
+        prep = scaled if scaled is not None else prepare_scaled_mm(weight)
+    except QuantizationInputError as exc:
+        return None, BackendChoice("w4a8", f"w4f8 refused: {exc}")
+    x2d = x.reshape(-1, weight.in_features)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = scaled_mm_w4f8(x2d, weight, prep, bias, use_fast_accum=fast_accum)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features), BackendChoice("w4f8")
 
 
 def reference_for(backend: str):  # noqa: ANN201 - returns one of three reference functions
