@@ -59,6 +59,23 @@ def calibrate(model: nn.Module, out: Path, *, method: str = "svdquant", rank: in
     return save_svdquant_artifact(manifest, tensors, out)
 
 
+def cuda_case(tmp_path: Path, *, model: nn.Module | None = None, **calibrate_kw: Any) -> tuple[Any, ...]:
+    """``(model, artifact, registry, inputs, dense output)`` on CUDA in bfloat16: the tiny Wan (or ``model``),
+    calibrated with ``calibrate_kw``, a registry holding only ``svdquant``, and the dense forward."""
+    from worldfoundry_svdquant.plugin import prepare
+
+    from worldfoundry.core.acceleration.registry import AccelerationRegistry
+
+    model = model if model is not None else build_wan(dtype=torch.bfloat16).cuda()
+    artifact = calibrate(model, tmp_path / "case.json", **calibrate_kw)
+    reg = AccelerationRegistry(discover=False)
+    reg.register("svdquant", prepare)
+    inputs = {k: v.cuda() for k, v in wan_inputs(torch.bfloat16).items()}
+    with torch.inference_mode():
+        dense = model(**inputs, return_dict=False)[0]
+    return model, artifact, reg, inputs, dense
+
+
 def fingerprint(model: nn.Module) -> testing.ModelFingerprint:
     """:func:`worldfoundry.testing.fingerprint` of the guarded model (the request guard stays by design)."""
     dtype = next(model.parameters()).dtype

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from worldfoundry_svdquant.plugin import prepare
 
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
@@ -26,7 +25,6 @@ from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
     int4_gemm_reference,
     w4a8_linear_reference,
 )
-from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and TRITON_AVAILABLE),
@@ -61,13 +59,7 @@ def test_per_channel_gemm_matches_the_reference_at_w81_ffn_shapes(k, n):
 
 
 def test_plugin_runs_a_per_channel_artifact_on_cuda(kit, tmp_path):
-    model = kit.build_wan(dtype=torch.bfloat16).cuda()
-    artifact = kit.calibrate(model, tmp_path / "c.json", group_size=0, include=("blocks.*.ffn.2",))
-    reg = AccelerationRegistry(discover=False)
-    reg.register("svdquant", prepare)
-    inputs = {k: v.cuda() for k, v in kit.wan_inputs(torch.bfloat16).items()}
-    with torch.inference_mode():
-        dense = model(**inputs, return_dict=False)[0]
+    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, group_size=0, include=("blocks.*.ffn.2",))
     session = install_diffusion_accelerations(model, {"svdquant": {"artifact": str(artifact), "keep_original": "cpu"}},
                                               RuntimePolicy(device="cuda"), registry=reg)
     with request_scope(RequestContext("r1")), torch.inference_mode():

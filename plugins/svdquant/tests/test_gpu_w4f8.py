@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from worldfoundry_svdquant.plugin import prepare
 
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
@@ -20,7 +19,6 @@ from worldfoundry.core.acceleration.quantization.fp8 import quantize_rowwise_fp8
 from worldfoundry.core.acceleration.quantization.int4_packing import unpack_int4
 from worldfoundry.core.acceleration.quantization.int8_activation import smoothed_rows
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import decompose, w4f8_linear_reference
-from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 
 FP8_TC = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -80,14 +78,8 @@ def test_dispatch_runs_w4f8_for_per_channel_and_w4a8_for_groups():
 
 
 def test_plugin_w4f8_receipts_memory_and_exact_restore(kit, tmp_path):
-    model = kit.build_wan(dtype=torch.bfloat16).cuda()
     # the tiny model's ffn.0 has 64 input features, below the per-channel K step (128): ffn.2 only
-    artifact = kit.calibrate(model, tmp_path / "c.json", group_size=0, include=("blocks.*.ffn.2",))
-    reg = AccelerationRegistry(discover=False)
-    reg.register("svdquant", prepare)
-    inputs = {k: v.cuda() for k, v in kit.wan_inputs(torch.bfloat16).items()}
-    with torch.inference_mode():
-        dense = model(**inputs, return_dict=False)[0]
+    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, group_size=0, include=("blocks.*.ffn.2",))
     session = install_diffusion_accelerations(
         model, {"svdquant": {"artifact": str(artifact), "keep_original": "cpu", "backend": "w4f8"}},
         RuntimePolicy(device="cuda"), registry=reg)
@@ -120,13 +112,8 @@ def _wide_wan(kit):
 
 @pytest.mark.skipif(not HOPPER, reason="W4F8 is the automatic backend on sm_90+")
 def test_fused_gelu_producer_runs_and_undoes(kit, tmp_path):
-    model = _wide_wan(kit)  # dim 128, FFN 256: both FFN Linears take per-channel scales
-    artifact = kit.calibrate(model, tmp_path / "w.json", group_size=0)
-    reg = AccelerationRegistry(discover=False)
-    reg.register("svdquant", prepare)
-    inputs = {k: v.cuda() for k, v in kit.wan_inputs(torch.bfloat16).items()}
-    with torch.inference_mode():
-        dense = model(**inputs, return_dict=False)[0]
+    # dim 128, FFN 256: both FFN Linears take per-channel scales
+    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, model=_wide_wan(kit), group_size=0)
     outs = {}
     for fuse in (True, False):
         session = install_diffusion_accelerations(
