@@ -117,7 +117,7 @@ def test_control_pairs_get_more_rounds_and_time_than_candidates(min_rounds, max_
     assert control.min_rounds == max(min_rounds, CONTROL_MIN_ROUNDS)
     assert control.max_rounds >= max(control.min_rounds, max_rounds)
     assert control.budget_s == 10.0
-    assert control.target_halfwidth == policy.target_halfwidth
+    assert control.target_halfwidth == policy.target_halfwidth / 2
     # with a steady host every control round is run: the noise floor is never the largest of 3 ratios
     ticks = itertools.count()
     out = run_rounds(lambda r: (1.0, 1.0), control, clock=lambda: float(next(ticks)))
@@ -139,3 +139,62 @@ def test_timed_requests_run_with_the_garbage_collector_paused() -> None:
     with pytest.raises(RuntimeError), gc_paused():
         raise RuntimeError("a failing request")
     assert gc.isenabled()
+
+
+class _SharedModel:
+    """A model two arms share: switching costs one slow first call, which only the untimed warm-up may pay."""
+
+    def __init__(self) -> None:
+        self.state = "dense"
+        self.fresh = False
+        self.log: list[tuple[str, str, int]] = []
+
+    def arm(self, name: str, seconds: float):
+        from worldfoundry.bench.timing import Arm
+
+        def activate() -> bool:
+            if self.state == name:
+                return False
+            self.state, self.fresh = name, True
+            return True
+
+        def call(kind: str, seed: int) -> float:
+            assert self.state == name
+            self.log.append((kind, name, seed))
+            cost = seconds + (5.0 if self.fresh else 0.0)
+            self.fresh = False
+            return cost
+
+        return Arm(activate, lambda r, seed: call("timed", seed), lambda seed: call("warm", seed))
+
+
+@pytest.mark.parametrize("start", ["dense", "candidate"])
+def test_switching_pairs_keep_the_cost_of_a_switch_out_of_both_arms(start) -> None:
+    from worldfoundry.bench.timing import switching_pairs
+
+    model = _SharedModel()
+    model.state = start
+    out = switching_pairs(model.arm("dense", 2.0), model.arm("candidate", 1.0), [42, 43],
+                          TimingPolicy(min_rounds=5, max_rounds=5), clock=_fake_clock(0.0))
+    assert out["dense_s"] == [2.0] * 5 and out["candidate_s"] == [1.0] * 5 and out["median_speedup"] == 2.0
+    timed = [(arm, seed) for kind, arm, seed in model.log if kind == "timed"]
+    # ABBA: dense first in even rounds, the candidate first in odd ones; the seed cycles per round
+    assert timed == [("dense", 42), ("candidate", 42), ("candidate", 43), ("dense", 43), ("dense", 42),
+                     ("candidate", 42), ("candidate", 43), ("dense", 43), ("dense", 42), ("candidate", 42)]
+    # one switch per round (plus the first one when the model started on the candidate), each warmed once
+    assert out["warmups"] == 5 + (start == "candidate")
+    warms = [i for i, entry in enumerate(model.log) if entry[0] == "warm"]
+    assert all(model.log[i + 1][:2] == ("timed", model.log[i][1]) for i in warms)
+
+
+def test_switching_pairs_without_warmup_would_have_been_biased() -> None:
+    """The same shared model timed by plain alternation: every switch's cost lands in a timed call."""
+    model = _SharedModel()
+    dense, cand = model.arm("dense", 2.0), model.arm("candidate", 1.0)
+
+    def pair(r: int) -> tuple[float, float]:
+        d = (dense.activate(), dense.timed(r, 42))[1]
+        return d, (cand.activate(), cand.timed(r, 42))[1]
+
+    out = run_rounds(pair, TimingPolicy(min_rounds=3, max_rounds=3), clock=_fake_clock(0.0))
+    assert out["candidate_s"] == [6.0] * 3

@@ -29,12 +29,14 @@ from worldfoundry.bench.provenance import (
 from worldfoundry.bench.report import write_plots, write_report, write_results
 from worldfoundry.bench.stats import decide
 from worldfoundry.bench.timing import (
+    Arm,
     TimingPolicy,
     bound_violation,
     model_calls,
     noisy_host,
     run_rounds,
     speed_bound,
+    switching_pairs,
     timed_generate,
 )
 from worldfoundry.bench.unavailable import insert_rows, load_available
@@ -260,23 +262,33 @@ def _timing_policy(config: BenchConfig, rounds: int) -> TimingPolicy:
 
 def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
     """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
+    steps: dict[str, list[list[float]]] = {"dense": [], "candidate": []}
+
+    def timed(arm: str, seed: int) -> float:
+        _, seconds, phases = timed_generate(runner, seed, f"control-{arm}")
+        steps[arm].append(phases["steps_s"])
+        return seconds
 
     def pair(r: int) -> tuple[float, float]:
         seed = seeds[r % len(seeds)]
-        return timed_generate(runner, seed, "control-a")[1], timed_generate(runner, seed, "control-b")[1]
+        return timed("dense", seed), timed("candidate", seed)
 
     # one untimed generation through the timed path first: the pilots ran another output path, and the first
     # timed call pays one-off costs (event timers, allocator growth) that would widen the noise floor
     timed_generate(runner, seeds[0], "control-warmup")
-    return run_rounds(pair, control_policy(policy))
+    out = run_rounds(pair, control_policy(policy))
+    out["steps_s"] = steps
+    return out
 
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
-    """The control pairs' policy: at least :data:`CONTROL_MIN_ROUNDS` rounds and twice the time budget. The noise
-    floor is the upper bound of a bootstrap CI of the median, which with 3 rounds is simply the largest ratio: one
-    pair straddling a change of the host's speed would declare the whole run noisy."""
+    """The control pairs' policy: at least :data:`CONTROL_MIN_ROUNDS` rounds, twice the time budget and half the
+    target half-width. The noise floor is the upper bound of a bootstrap CI of the median, which with 3 rounds is
+    simply the largest ratio (one pair straddling a change of the host's speed would declare the whole run noisy),
+    and with the candidates' target half-width it would sit about that far above 1."""
     rounds = max(policy.min_rounds, CONTROL_MIN_ROUNDS)
-    return replace(policy, min_rounds=rounds, max_rounds=max(policy.max_rounds, rounds), budget_s=2 * policy.budget_s)
+    return replace(policy, min_rounds=rounds, max_rounds=max(policy.max_rounds, rounds), budget_s=2 * policy.budget_s,
+                   target_halfwidth=policy.target_halfwidth / 2)
 
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
@@ -341,51 +353,49 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
                 tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
                 bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
-    """Interleaved pairs of the denoising loop, in ABBA order (dense first in even rounds, candidate first in
-    odd rounds) so slow drifts of the machine do not favour either side; outputs checked against pilots."""
+    """Interleaved ABBA pairs of the denoising loop (:func:`~worldfoundry.bench.timing.switching_pairs`: one
+    untimed generation after every install or uninstall); outputs checked against the pilots."""
     den = runner.pipe.components.denoiser
     mismatches: list[str] = []
     steps: dict[str, list[list[float]]] = {"dense": [], "candidate": []}
+    state = {"session": session}
 
-    def timed_dense(r: int, seed: int) -> float:
-        nonlocal session
-        if session is not None and session.installed:
-            session.uninstall()
+    def installed() -> bool:
+        return state["session"] is not None and state["session"].installed
+
+    def to_dense() -> bool:
+        if not installed():
+            return False
+        state["session"].uninstall()
+        return True
+
+    def to_candidate() -> bool:
+        if installed():
+            return False
+        state["session"] = den.install(cand.accelerations, policy, registry=registry)
+        return True
+
+    def timed(arm: str, r: int, seed: int) -> float:
         monitor.sample()
-        d, seconds, phases = timed_generate(runner, seed, "dense-timed")
-        steps["dense"].append(phases["steps_s"])
+        out, seconds, phases = timed_generate(runner, seed, f"{cand.name}-timed" if arm == "candidate" else
+                                              "dense-timed")
+        steps[arm].append(phases["steps_s"])
         monitor.sample()
-        if not torch.equal(d.latents, dense[seed].latents):
-            mismatches.append(f"round {r}: dense output differs from its pilot")
+        reference = (pilots if arm == "candidate" else dense)[seed].latents
+        if not torch.equal(out.latents, reference):
+            err = relative_l2(out.latents, reference)
+            if arm == "dense" or not err <= TIMING_RTOL:
+                mismatches.append(f"round {r}: {arm} output differs from its pilot (rel L2 {err:.3g})")
         return seconds
 
-    def timed_candidate(r: int, seed: int) -> float:
-        nonlocal session
-        if session is None or not session.installed:
-            session = den.install(cand.accelerations, policy, registry=registry)
-        monitor.sample()
-        c, seconds, phases = timed_generate(runner, seed, f"{cand.name}-timed")
-        steps["candidate"].append(phases["steps_s"])
-        monitor.sample()
-        if not torch.equal(c.latents, pilots[seed].latents):
-            err = relative_l2(c.latents, pilots[seed].latents)
-            if not err <= TIMING_RTOL:
-                mismatches.append(f"round {r}: candidate output differs from its pilot (rel L2 {err:.3g})")
-        return seconds
-
-    def pair(r: int) -> tuple[float, float]:
-        seed = seeds[r % len(seeds)]
-        if r % 2 == 0:
-            d_s = timed_dense(r, seed)
-            return d_s, timed_candidate(r, seed)
-        c_s = timed_candidate(r, seed)
-        return timed_dense(r, seed), c_s
-
-    speed = run_rounds(pair, tpolicy, on_round=lambda: bar.update(1))
+    speed = switching_pairs(
+        Arm(to_dense, lambda r, seed: timed("dense", r, seed), lambda seed: runner.generate(seed, "dense-warm")),
+        Arm(to_candidate, lambda r, seed: timed("candidate", r, seed),
+            lambda seed: runner.generate(seed, f"{cand.name}-warm")),
+        seeds, tpolicy, on_round=lambda: bar.update(1))
     speed["steps_s"] = steps
-    if session is None or not session.installed:
-        session = den.install(cand.accelerations, policy, registry=registry)
-    return speed, mismatches, session
+    to_candidate()
+    return speed, mismatches, state["session"]
 
 
 def _worst(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:

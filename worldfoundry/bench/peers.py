@@ -1,7 +1,8 @@
 """Peer reference rows: what a user would otherwise turn on, timed the same way as the candidates.
 
 Peers are not plugins: each is applied to the dense model for its rows and removed after (each undo is named
-below), then timed in interleaved pairs against dense with :func:`~worldfoundry.bench.timing.run_rounds`.
+below), then timed in interleaved pairs against dense with :func:`~worldfoundry.bench.timing.switching_pairs` (one
+untimed generation after every apply or undo).
 
 * ``eager``: diffusers eager (dense against dense: the control, shown as a row).
 * ``compile``: ``ModelMixin.compile_repeated_blocks()`` (regional torch.compile); the warm-up (compile) time is
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from worldfoundry.bench.metrics import relative_l2
-from worldfoundry.bench.timing import TimingPolicy, run_rounds, timed_generate
+from worldfoundry.bench.timing import Arm, TimingPolicy, switching_pairs, timed_generate
 
 logger = logging.getLogger(__name__)
 
@@ -205,33 +206,37 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
         row["latent_rel_l2"] = max(relative_l2(pilot.latents, dense[seeds[0]].latents), 0.0)
         active = [True]
 
-        def dense_s(seed: int) -> float:
-            if active[0]:
-                undo()
-                active[0] = False
-            return timed_generate(runner, seed, f"peer-{name}-dense")[1]
-
-        def peer_s(seed: int) -> float:
-            nonlocal undo
+        def to_dense() -> bool:
             if not active[0]:
-                if compiled:  # the compiled blocks are put back, not compiled again (no recompilation per round)
-                    for block, impl in compiled:
-                        block._compiled_call_impl = impl
-                else:
-                    undo, _ = _apply(name, modules, steps)
-                active[0] = True
+                return False
+            undo()
+            active[0] = False
+            return True
+
+        def to_peer() -> bool:
+            nonlocal undo
+            if active[0]:
+                return False
+            if compiled:  # the compiled blocks are put back, not compiled again (no recompilation per round)
+                for block, impl in compiled:
+                    block._compiled_call_impl = impl
+            else:
+                undo, _ = _apply(name, modules, steps)
+            active[0] = True
+            return True
+
+        def peer_s(r: int, seed: int) -> float:
             reset()
             return timed_generate(runner, seed, f"peer-{name}-timed")[1]
 
-        def pair(r: int) -> tuple[float, float]:
-            seed = seeds[r % len(seeds)]
-            if r % 2 == 0:
-                d = dense_s(seed)
-                return d, peer_s(seed)
-            p = peer_s(seed)
-            return dense_s(seed), p
+        def peer_warm(seed: int) -> Any:
+            reset()
+            return runner.generate(seed, f"peer-{name}-warm")
 
-        row["speed"] = run_rounds(pair, policy)
+        row["speed"] = switching_pairs(
+            Arm(to_dense, lambda r, seed: timed_generate(runner, seed, f"peer-{name}-dense")[1],
+                lambda seed: runner.generate(seed, f"peer-{name}-dense-warm")),
+            Arm(to_peer, peer_s, peer_warm), seeds, policy)
         row["verdict"] = "peer_reference"
         if not active[0]:
             undo = None

@@ -6,6 +6,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   last step). Text encoding (``encode_s``) and decoding (``decode_s``) stay separate in the pipeline's timings.
 * :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the paired speedup is at most
   ``target_halfwidth`` (relative to the median), or ``max_rounds`` / ``budget_s`` end.
+* :func:`switching_pairs`: ABBA pairs of two arms that share one model (install/uninstall, apply/undo); after
+  every switch one untimed generation of the switched-to arm runs first, so one-off costs of a switch (a CUDA graph
+  captured again, weights built at the first call, allocator growth) stay out of both arms' timings.
 * :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
   median above ``bound * (1 + tolerance)`` is ``invalid_timing``.
 * :func:`timed_generate` runs each timed request with Python's garbage collector paused (:func:`gc_paused`); the
@@ -110,6 +113,48 @@ def run_rounds(pair: Callable[[int], tuple[float, float]], policy: TimingPolicy,
     summary.update(rounds=len(dense_s), halfwidth=ci_halfwidth(summary), stopped=stopped,
                    target_halfwidth=policy.target_halfwidth)
     return summary
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One side of a pair over a shared model.
+
+    Args:
+        activate: make this arm the model's current state; returns ``True`` when that changed the model.
+        timed: ``(round, seed) -> seconds`` of one timed generation (the arm is active).
+        warm: one untimed generation for ``seed`` (the arm is active).
+    """
+
+    activate: Callable[[], bool]
+    timed: Callable[[int, int], float]
+    warm: Callable[[int], Any]
+
+
+def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: TimingPolicy, *,
+                    on_round: Callable[[], None] | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """:func:`run_rounds` over ABBA pairs (dense first in even rounds, candidate first in odd ones, so slow drifts
+    favour neither side), the seed cycling per round. An arm whose ``activate`` changed the model runs one untimed
+    ``warm`` generation before its timed one; the count is returned as ``warmups``."""
+    warmups = [0]
+
+    def run(arm: Arm, r: int, seed: int) -> float:
+        if arm.activate():
+            arm.warm(seed)
+            warmups[0] += 1
+        return arm.timed(r, seed)
+
+    def pair(r: int) -> tuple[float, float]:
+        seed = seeds[r % len(seeds)]
+        if r % 2 == 0:
+            d = run(dense, r, seed)
+            return d, run(candidate, r, seed)
+        c = run(candidate, r, seed)
+        return run(dense, r, seed), c
+
+    out = run_rounds(pair, policy, clock=clock, on_round=on_round)
+    out["warmups"] = warmups[0]
+    return out
 
 
 def model_calls(workload: Mapping[str, Any]) -> int:
