@@ -184,67 +184,74 @@ def _reset_caches(modules: list[torch.nn.Module], steps: int | None = None, cach
             cache_dit.refresh_context(m, num_inference_steps=int(steps))
 
 
+class _PeerState:
+    """A peer applied to the dense model, switched off and on between the arms of its pairs."""
+
+    def __init__(self, name: str, modules: list[torch.nn.Module], steps: int | None) -> None:
+        self.name, self.modules, self.steps = name, modules, steps
+        self.undo: Callable[[], None] | None = None
+        self.undo, info = _apply(name, modules, steps)
+        self.compiled = info.pop("_recompile", None)
+        self.info = info
+        self.active = True
+
+    def reset(self) -> None:
+        _reset_caches(self.modules, self.steps, self.name == "dbcache")
+
+    def to_dense(self) -> bool:
+        if not self.active:
+            return False
+        assert self.undo is not None
+        self.undo()
+        self.active = False
+        return True
+
+    def to_peer(self) -> bool:
+        if self.active:
+            return False
+        if self.compiled:  # the compiled blocks are put back, not compiled again (no recompilation per round)
+            for block, impl in self.compiled:
+                block._compiled_call_impl = impl
+        else:
+            self.undo, _ = _apply(self.name, self.modules, self.steps)
+        self.active = True
+        return True
+
+    def arms(self, runner: Any) -> tuple[Arm, Arm]:
+        name = self.name
+
+        def peer_call(seed: int, timed: bool) -> Any:
+            self.reset()
+            if timed:
+                return timed_generate(runner, seed, f"peer-{name}-timed")[1]
+            return runner.generate(seed, f"peer-{name}-warm")
+
+        dense = Arm(self.to_dense, lambda r, seed: timed_generate(runner, seed, f"peer-{name}-dense")[1],
+                    lambda seed: runner.generate(seed, f"peer-{name}-dense-warm"))
+        peer = Arm(self.to_peer, lambda r, seed: peer_call(seed, True), lambda seed: peer_call(seed, False))
+        return dense, peer
+
+
 def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
     """Apply, warm up (timed), check quality against the dense pilot, time in pairs, undo. Never raises."""
     den = runner.pipe.components.denoiser
-    modules = list(den.experts.values())
     row: dict[str, Any] = {"name": f"peer:{name}", "peer": name}
-    undo: Callable[[], None] | None = None
+    state: _PeerState | None = None
     try:
-        steps = runner.workload.get("steps")
-        undo, info = _apply(name, modules, steps)
-        compiled = info.pop("_recompile", None)
-        row.update(info)
-
-        def reset() -> None:
-            _reset_caches(modules, steps, name == "dbcache")
-
+        state = _PeerState(name, list(den.experts.values()), runner.workload.get("steps"))
+        row.update(state.info)
         t0 = time.perf_counter()
-        reset()
+        state.reset()
         pilot = runner.generate(seeds[0], f"peer-{name}-warmup")
         row["warmup_s"] = time.perf_counter() - t0
         row["latent_rel_l2"] = max(relative_l2(pilot.latents, dense[seeds[0]].latents), 0.0)
-        active = [True]
-
-        def to_dense() -> bool:
-            if not active[0]:
-                return False
-            undo()
-            active[0] = False
-            return True
-
-        def to_peer() -> bool:
-            nonlocal undo
-            if active[0]:
-                return False
-            if compiled:  # the compiled blocks are put back, not compiled again (no recompilation per round)
-                for block, impl in compiled:
-                    block._compiled_call_impl = impl
-            else:
-                undo, _ = _apply(name, modules, steps)
-            active[0] = True
-            return True
-
-        def peer_s(r: int, seed: int) -> float:
-            reset()
-            return timed_generate(runner, seed, f"peer-{name}-timed")[1]
-
-        def peer_warm(seed: int) -> Any:
-            reset()
-            return runner.generate(seed, f"peer-{name}-warm")
-
-        row["speed"] = switching_pairs(
-            Arm(to_dense, lambda r, seed: timed_generate(runner, seed, f"peer-{name}-dense")[1],
-                lambda seed: runner.generate(seed, f"peer-{name}-dense-warm")),
-            Arm(to_peer, peer_s, peer_warm), seeds, policy)
+        row["speed"] = switching_pairs(*state.arms(runner), seeds, policy)
         row["verdict"] = "peer_reference"
-        if not active[0]:
-            undo = None
     except Exception as exc:  # a peer that fails is a row, not a crash
         logger.warning("peer %s failed: %s", name, exc)
         row.update(verdict="peer_failed", error=f"{type(exc).__name__}: {exc}")
     finally:
-        _undo_into(row, undo)
+        _undo_into(row, state.undo if state is not None and state.active else None)
     return row
 
 
