@@ -45,7 +45,7 @@ def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | N
 
 def _row(c: dict[str, Any]) -> tuple[str, str, str]:
     sp = c.get("speed") or {}
-    med = f"{sp['median_speedup']:.3f}" if sp else "-"
+    med = f"{sp['speedup']:.3f}" if sp else "-"
     hw = f"{sp['halfwidth']:.1%}/{sp['rounds']}r" if sp else "-"
     return c["verdict"], med, hw
 
@@ -81,7 +81,7 @@ def main() -> int:
         for peer in a.get("peers", []):
             sp = peer.get("speed") or {}
             summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
-                                     peer["verdict"], "median": sp.get("median_speedup"),
+                                     peer["verdict"], "median": sp.get("speedup"),
                                      "halfwidth": sp.get("halfwidth"), "warmup_s": peer.get("warmup_s"),
                                      "rel_l2": peer.get("latent_rel_l2")})
     (out / "w17_stability.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -17,8 +17,9 @@ def test_benchmarks_doc_examples_run(monkeypatch, capsys, tmp_path) -> None:
     for i, block in enumerate(blocks):
         exec(compile(block, f"benchmarks.md[python block {i}]", "exec"), namespace)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "3 target 2.0"
-    assert out[1] == "1.6 True"
-    assert out[2].startswith("NOISY HOST: dense-vs-dense noise floor 1.900 > 1.050")
-    assert out[3] == "timing True"
+    assert out[0] == "3 target 2.0 paired_median"
+    assert out[1] == "step_floor 2.0 [2.0, 2.0] 3.0"
+    assert out[2] == "1.6 True"
+    assert out[3].startswith("NOISY HOST: dense-vs-dense noise floor 1.900 > 1.050")
+    assert out[4] == "timing True"
     assert (tmp_path / "tune_doc" / "tuned.json").is_file()

@@ -9,7 +9,7 @@ from worldfoundry.bench.report import render_table, write_report
 
 
 def _speed(med: float, lo: float, hi: float) -> dict:
-    return {"median_speedup": med, "ci95": [lo, hi], "rounds": 5, "steps_s": {
+    return {"speedup": med, "ci95": [lo, hi], "rounds": 5, "steps_s": {
         "dense": [[0.1, 0.1, 0.1, 0.1]] * 3, "candidate": [[0.1, 0.01, 0.01, 0.1]] * 3}}
 
 

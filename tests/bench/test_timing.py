@@ -27,7 +27,7 @@ def _fake_clock(step: float):
 
 def test_stops_at_min_rounds_when_pairs_agree() -> None:
     out = run_rounds(lambda r: (2.0, 1.0), TimingPolicy(min_rounds=3, max_rounds=10), clock=_fake_clock(0.0))
-    assert out["rounds"] == 3 and out["stopped"] == "target" and out["median_speedup"] == 2.0
+    assert out["rounds"] == 3 and out["stopped"] == "target" and out["speedup"] == 2.0
     assert out["halfwidth"] == 0.0
 
 
@@ -69,13 +69,13 @@ def test_receipts_bound() -> None:
     assert speed_bound({}, calls) is None and speed_bound({"easycache": {"steps": 0}}, calls) is None
     assert speed_bound({"c": {"steps": 16}}, 16) == float("inf")
     # the measured 21.1x of a cache that skipped 6 of 16 calls is impossible; 1.62x is within tolerance
-    assert "exceeds the receipts bound" in bound_violation({"median_speedup": 21.1}, bound, 0.05)
-    assert bound_violation({"median_speedup": 1.62}, bound, 0.05) is None
+    assert "exceeds the receipts bound" in bound_violation({"speedup": 21.1}, bound, 0.05)
+    assert bound_violation({"speedup": 1.62}, bound, 0.05) is None
     assert bound_violation(None, bound, 0.05) is None
 
 
 def test_invalid_timing_and_noisy_verdicts() -> None:
-    speed = {"ci95": [1.5, 1.7], "median_speedup": 1.6}
+    speed = {"ci95": [1.5, 1.7], "speedup": 1.6}
     base = dict(installed=True, finite=True, executed=True, exact_ok=True, timing_ok=True, quality_ok=True,
                 speed=speed, gpu_shared=False)
     assert decide(**base) == "recommended"
@@ -176,7 +176,7 @@ def test_switching_pairs_keep_the_cost_of_a_switch_out_of_both_arms(start) -> No
     model.state = start
     out = switching_pairs(model.arm("dense", 2.0), model.arm("candidate", 1.0), [42, 43],
                           TimingPolicy(min_rounds=5, max_rounds=5), clock=_fake_clock(0.0))
-    assert out["dense_s"] == [2.0] * 5 and out["candidate_s"] == [1.0] * 5 and out["median_speedup"] == 2.0
+    assert out["dense_s"] == [2.0] * 5 and out["candidate_s"] == [1.0] * 5 and out["speedup"] == 2.0
     timed = [(arm, seed) for kind, arm, seed in model.log if kind == "timed"]
     # ABBA: dense first in even rounds, the candidate first in odd ones; the seed cycles per round
     assert timed == [("dense", 42), ("candidate", 42), ("candidate", 43), ("dense", 43), ("dense", 42),
@@ -198,3 +198,8 @@ def test_switching_pairs_without_warmup_would_have_been_biased() -> None:
 
     out = run_rounds(pair, TimingPolicy(min_rounds=3, max_rounds=3), clock=_fake_clock(0.0))
     assert out["candidate_s"] == [6.0] * 3
+
+
+def test_timing_policy_names_a_bad_estimator() -> None:
+    with pytest.raises(ValueError, match="estimator: expected one of step_floor, paired_median"):
+        TimingPolicy(estimator="mean")

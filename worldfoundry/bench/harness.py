@@ -30,6 +30,7 @@ from worldfoundry.bench.report import write_plots, write_report, write_results
 from worldfoundry.bench.stats import decide
 from worldfoundry.bench.timing import (
     Arm,
+    Timed,
     TimingPolicy,
     bound_violation,
     model_calls,
@@ -80,6 +81,8 @@ class BenchConfig:
     max_rounds: int | None = None
     time_budget_s: float = 60.0
     max_noise_floor: float = 1.05
+    #: ``step_floor`` or ``paired_median`` (:func:`~worldfoundry.bench.stats.summarize_speed`).
+    estimator: str = "step_floor"
     peers: list[str] | None = None
     #: an explicit recipe file (``--recipe-file``); exclusive with ``model``.
     recipe_file: str | None = None
@@ -224,7 +227,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     steps_per_candidate = 1 + (0 if config.quality_only else rounds)
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
-    tpolicy = _timing_policy(config, rounds)
+    tpolicy = _timing_policy(config, rounds, len(seeds))
     results["timing_policy"] = {**asdict(tpolicy), "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
         control = _control_pairs(runner, dense, seeds, tpolicy)
@@ -254,31 +257,30 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     return results
 
 
-def _timing_policy(config: BenchConfig, rounds: int) -> TimingPolicy:
-    return TimingPolicy(min_rounds=max(3, rounds), max_rounds=max(rounds, config.max_rounds or 4 * rounds),
+def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> TimingPolicy:
+    """The candidates' policy; with the step floor every seed is timed at least twice (its CI needs two rounds)."""
+    least = max(3, rounds, 2 * n_seeds if config.estimator == "step_floor" else 0)
+    return TimingPolicy(min_rounds=least, max_rounds=max(least, config.max_rounds or 4 * rounds),
                         target_halfwidth=config.target_halfwidth, budget_s=config.time_budget_s,
+                        estimator=config.estimator,
                         max_noise_floor=config.max_noise_floor)
 
 
 def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
     """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
-    steps: dict[str, list[list[float]]] = {"dense": [], "candidate": []}
 
-    def timed(arm: str, seed: int) -> float:
+    def timed(arm: str, seed: int) -> Timed:
         _, seconds, phases = timed_generate(runner, seed, f"control-{arm}")
-        steps[arm].append(phases["steps_s"])
-        return seconds
+        return Timed.of(seconds, phases, seed)
 
-    def pair(r: int) -> tuple[float, float]:
+    def pair(r: int) -> tuple[Timed, Timed]:
         seed = seeds[r % len(seeds)]
-        return timed("dense", seed), timed("candidate", seed)
+        return timed("a", seed), timed("b", seed)
 
     # one untimed generation through the timed path first: the pilots ran another output path, and the first
     # timed call pays one-off costs (event timers, allocator growth) that would widen the noise floor
     timed_generate(runner, seeds[0], "control-warmup")
-    out = run_rounds(pair, control_policy(policy))
-    out["steps_s"] = steps
-    return out
+    return run_rounds(pair, control_policy(policy))
 
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
@@ -357,7 +359,6 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
     untimed generation after every install or uninstall); outputs checked against the pilots."""
     den = runner.pipe.components.denoiser
     mismatches: list[str] = []
-    steps: dict[str, list[list[float]]] = {"dense": [], "candidate": []}
     state = {"session": session}
 
     def installed() -> bool:
@@ -375,25 +376,23 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
         state["session"] = den.install(cand.accelerations, policy, registry=registry)
         return True
 
-    def timed(arm: str, r: int, seed: int) -> float:
+    def timed(arm: str, r: int, seed: int) -> Timed:
         monitor.sample()
         out, seconds, phases = timed_generate(runner, seed, f"{cand.name}-timed" if arm == "candidate" else
                                               "dense-timed")
-        steps[arm].append(phases["steps_s"])
         monitor.sample()
         reference = (pilots if arm == "candidate" else dense)[seed].latents
         if not torch.equal(out.latents, reference):
             err = relative_l2(out.latents, reference)
             if arm == "dense" or not err <= TIMING_RTOL:
                 mismatches.append(f"round {r}: {arm} output differs from its pilot (rel L2 {err:.3g})")
-        return seconds
+        return Timed.of(seconds, phases, seed)
 
     speed = switching_pairs(
         Arm(to_dense, lambda r, seed: timed("dense", r, seed), lambda seed: runner.generate(seed, "dense-warm")),
         Arm(to_candidate, lambda r, seed: timed("candidate", r, seed),
             lambda seed: runner.generate(seed, f"{cand.name}-warm")),
         seeds, tpolicy, on_round=lambda: bar.update(1))
-    speed["steps_s"] = steps
     to_candidate()
     return speed, mismatches, state["session"]
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from worldfoundry.bench.metrics import relative_l2
-from worldfoundry.bench.timing import Arm, TimingPolicy, switching_pairs, timed_generate
+from worldfoundry.bench.timing import Arm, Timed, TimingPolicy, switching_pairs, timed_generate
 
 logger = logging.getLogger(__name__)
 
@@ -220,13 +220,17 @@ class _PeerState:
     def arms(self, runner: Any) -> tuple[Arm, Arm]:
         name = self.name
 
-        def peer_call(seed: int, timed: bool) -> Any:
+        def timed(seed: int, tag: str) -> Timed:
+            _, seconds, phases = timed_generate(runner, seed, tag)
+            return Timed.of(seconds, phases, seed)
+
+        def peer_call(seed: int, is_timed: bool) -> Any:
             self.reset()
-            if timed:
-                return timed_generate(runner, seed, f"peer-{name}-timed")[1]
+            if is_timed:
+                return timed(seed, f"peer-{name}-timed")
             return runner.generate(seed, f"peer-{name}-warm")
 
-        dense = Arm(self.to_dense, lambda r, seed: timed_generate(runner, seed, f"peer-{name}-dense")[1],
+        dense = Arm(self.to_dense, lambda r, seed: timed(seed, f"peer-{name}-dense"),
                     lambda seed: runner.generate(seed, f"peer-{name}-dense-warm"))
         peer = Arm(self.to_peer, lambda r, seed: peer_call(seed, True), lambda seed: peer_call(seed, False))
         return dense, peer

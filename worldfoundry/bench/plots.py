@@ -48,7 +48,7 @@ def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def speedup_plot(results: dict[str, Any], path: Path) -> Path:
-    """Bars of the median speedup with CIs, the noise band and verdict colours. Returns ``path``."""
+    """Bars of the speedup estimate with CIs, the noise band and verdict colours. Returns ``path``."""
     plt = _plt()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -68,14 +68,14 @@ def speedup_plot(results: dict[str, Any], path: Path) -> Path:
     for i, r in enumerate(rows):
         sp = r.get("speed")
         if sp and _colour(r["verdict"]) == INVALID_COLOUR:  # measured but invalid: hatched, clipped, value written
-            med = sp["median_speedup"]
+            med = sp["speedup"]
             ax.bar(i, min(med, top * 1.05), color="white", edgecolor=INVALID_COLOUR, hatch="xx", zorder=2)
             ax.text(i, min(med, top * 1.05), f"{med:.3g}× ({r['verdict'].replace('_', ' ')})", ha="center",
                     va="bottom", fontsize=7, color=INVALID_COLOUR)
             if r.get("speed_bound") and math.isfinite(r["speed_bound"]):
                 ax.plot([i - 0.4, i + 0.4], [r["speed_bound"]] * 2, color="black", linestyle=":", zorder=3)
         elif sp:
-            med, (lo, hi) = sp["median_speedup"], sp["ci95"]
+            med, (lo, hi) = sp["speedup"], sp["ci95"]
             ax.bar(i, med, color=_colour(r["verdict"]), yerr=[[med - lo], [hi - med]], capsize=3, zorder=2)
             if r.get("speed_bound") and math.isfinite(r["speed_bound"]):
                 ax.plot([i - 0.4, i + 0.4], [r["speed_bound"]] * 2, color="black", linestyle=":", zorder=3)
@@ -84,7 +84,7 @@ def speedup_plot(results: dict[str, Any], path: Path) -> Path:
             ax.text(i, 0.55, r["verdict"].replace("_", "\n"), ha="center", va="center", fontsize=6)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=35, ha="right", fontsize=8)
     ax.set_ylim(0, max(1.2, top * 1.25))
-    ax.set_ylabel("speedup vs dense (median, 95% CI)")
+    ax.set_ylabel("speedup vs dense (estimate, 95% CI)")
     title = f"{results['model']}: paired speedup of the denoise loop"
     if results.get("noisy_host"):
         title += "\nNOISY HOST: no speed verdicts"
@@ -122,7 +122,7 @@ def quality_plot(results: dict[str, Any], path: Path) -> Path:
             value = float(value)
             if key == "psnr_db":
                 value = min(value, PSNR_PLOT_CAP)
-            y = c["speed"]["median_speedup"] if c.get("speed") else i
+            y = c["speed"]["speedup"] if c.get("speed") else i
             ok = c.get("within_budget", {}).get(key, True)
             ax.scatter([value], [y], color=_colour(c["verdict"]), marker="o" if ok else "X", s=50 if ok else 70,
                        zorder=3)
@@ -132,7 +132,7 @@ def quality_plot(results: dict[str, Any], path: Path) -> Path:
         ax.axvline(budget[key], color="tab:blue", linestyle="--", label=f"budget {budget[key]}")
         ax.set_xlabel(label + (f" (identical at {PSNR_PLOT_CAP:.0f})" if key == "psnr_db" else ""), fontsize=8)
         ax.legend(fontsize=7, title="● pass · ✖ fail", title_fontsize=7, loc="best")
-    axes[0].set_ylabel("median speedup" if speed else "candidate")
+    axes[0].set_ylabel("speedup" if speed else "candidate")
     if not speed:
         axes[0].set_yticks(range(len(cands)), [c["name"] for c in cands], fontsize=7)
     fig.suptitle(f"{results['model']}: quality against each budget" + ("" if speed else " (quality only)"))

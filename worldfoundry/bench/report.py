@@ -42,7 +42,7 @@ def write_results(results: dict[str, Any], out_dir: Path) -> Path:
 def render_table(results: dict[str, Any]) -> str:
     """The Markdown table a person reads (one row per candidate)."""
     lines = [
-        "| candidate | verdict | exact (claimed / bitwise) | latent rel L2 | PSNR dB | min SSIM | median speedup | 95% CI | executed |",
+        "| candidate | verdict | exact (claimed / bitwise) | latent rel L2 | PSNR dB | min SSIM | speedup | 95% CI | executed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["candidates"]:
@@ -54,7 +54,7 @@ def render_table(results: dict[str, Any]) -> str:
         lines.append(
             f"| {c['name']} | **{c['verdict']}** | {exact} | {_fmt(worst.get('latent_rel_l2'))} | "
             f"{_fmt(worst.get('psnr_db'))} | {_fmt(worst.get('min_ssim'))} | "
-            f"{_fmt(speed.get('median_speedup'), 4)}{'×' if speed else ''} | "
+            f"{_fmt(speed.get('speedup'), 4)}{'×' if speed else ''} | "
             f"{'[' + _fmt(ci[0], 4) + ', ' + _fmt(ci[1], 4) + ']' if ci else '–'} | {executed} |"
         )
     return "\n".join(lines)
@@ -142,7 +142,7 @@ def _peer_lines(results: dict[str, Any]) -> list[str]:
     if not peers:
         return []
     lines = ["Peer reference rows (not plugins; timed the same way):", "",
-             "| peer | status | latent rel L2 | warm-up s | median speedup | 95% CI | rounds |", "|---|---|---|---|---|---|---|"]
+             "| peer | status | latent rel L2 | warm-up s | speedup | 95% CI | rounds |", "|---|---|---|---|---|---|---|"]
     for p in peers:
         sp = p.get("speed") or {}
         ci = sp.get("ci95")
@@ -150,7 +150,7 @@ def _peer_lines(results: dict[str, Any]) -> list[str]:
         if p.get("restore_error"):
             status = f"{status}; **not restored**: {p['restore_error']}"
         lines.append(f"| {p['name']} | {status} | {_fmt(p.get('latent_rel_l2'))} | {_fmt(p.get('warmup_s'), 3)} | "
-                     f"{_fmt(sp.get('median_speedup'))}{'×' if sp else ''} | "
+                     f"{_fmt(sp.get('speedup'))}{'×' if sp else ''} | "
                      f"{'[' + _fmt(ci[0]) + ', ' + _fmt(ci[1]) + ']' if ci else '–'} | {_fmt(sp.get('rounds'))} |")
     return lines + [""]
 

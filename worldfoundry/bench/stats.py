@@ -1,4 +1,4 @@
-"""Paired-timing statistics and verdicts."""
+"""Paired-timing statistics (the two speedup estimators) and verdicts."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 from scipy import stats
+
+from worldfoundry.bench.floor import step_floor
 
 VERDICTS = (
     "recommended",
@@ -36,18 +38,47 @@ def bootstrap_ci(ratios: list[float], *, confidence: float = 0.95, resamples: in
     return (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
-def summarize_speed(dense_s: list[float], cand_s: list[float]) -> dict[str, Any]:
+#: How a speedup is estimated from paired rounds: see :func:`summarize_speed`.
+ESTIMATORS = ("step_floor", "paired_median")
+DEFAULT_ESTIMATOR = "step_floor"
+
+
+def summarize_speed(dense_s: list[float], cand_s: list[float], *, steps: dict[str, list[list[float]]] | None = None,
+                    groups: list[Any] | None = None, estimator: str = DEFAULT_ESTIMATOR) -> dict[str, Any]:
+    """Both estimates of a candidate's speedup over dense, and the one ``estimator`` names as ``speedup``/``ci95``.
+
+    * ``paired_median``: the median of per-round ratios ``dense_s / cand_s`` with a percentile-bootstrap CI.
+    * ``step_floor`` (:mod:`worldfoundry.bench.floor`): per-step minimum times over rounds, needs ``steps``
+      (``{"dense": [...], "candidate": [...]}``, per round the step times) and ``groups`` (per round its seed);
+      without them, when they do not line up, or while a seed has a single round, the paired median is used and
+      ``estimator_note`` says why.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     ratios = [d / c for d, c in zip(dense_s, cand_s)]
     low, high = bootstrap_ci(ratios)
-    return {
+    median = float(np.median(ratios))
+    out: dict[str, Any] = {
         "dense_s": dense_s,
         "candidate_s": cand_s,
         "speedups": ratios,
-        "median_speedup": float(np.median(ratios)),
-        "ci95": [low, high],
+        "paired_median": median,
+        "paired_ci95": [low, high],
         "dense_median_s": float(np.median(dense_s)),
         "candidate_median_s": float(np.median(cand_s)),
     }
+    floor = step_floor(steps["dense"], steps["candidate"], groups) if steps and groups is not None else None
+    if floor is not None:
+        out["step_floor"] = floor
+    usable = floor is not None and floor["ci95"][0] == floor["ci95"][0]
+    if estimator == "step_floor" and usable:
+        out.update(estimator="step_floor", speedup=floor["speedup"], ci95=floor["ci95"])
+    else:
+        out.update(estimator="paired_median", speedup=median, ci95=[low, high])
+        if estimator == "step_floor":
+            out["estimator_note"] = ("per-step times missing or not aligned" if floor is None else
+                                     "a seed was timed once (no spread to resample)") + ": the paired median is used"
+    return out
 
 
 def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, timing_ok: bool,

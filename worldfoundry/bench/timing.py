@@ -4,13 +4,15 @@ bound on each candidate's speedup, and the noisy-host rule.
 * :class:`LoopTimer` times the denoise loop with CUDA events on the GPU (``perf_counter`` on the CPU), between the
   denoiser's ``prepare_request_schedule`` (the loop starts right after it) and ``end_request`` (right after the
   last step). Text encoding (``encode_s``) and decoding (``decode_s``) stay separate in the pipeline's timings.
-* :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the paired speedup is at most
-  ``target_halfwidth`` (relative to the median), or ``max_rounds`` / ``budget_s`` end.
+* :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the speedup is at most
+  ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. The estimate is the
+  policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
+  (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
 * :func:`switching_pairs`: ABBA pairs of two arms that share one model (install/uninstall, apply/undo); after
   every switch one untimed generation of the switched-to arm runs first, so one-off costs of a switch (a CUDA graph
   captured again, weights built at the first call, allocator growth) stay out of both arms' timings.
 * :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
-  median above ``bound * (1 + tolerance)`` is ``invalid_timing``.
+  speedup above ``bound * (1 + tolerance)`` is ``invalid_timing``.
 * :func:`timed_generate` runs each timed request with Python's garbage collector paused (:func:`gc_paused`); the
   harness collects and freezes what exists once the model is loaded, so the collections between requests stay
   short.
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from worldfoundry.bench.stats import summarize_speed
+from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
 
 #: Default target of the paired-speedup CI half-width, relative to the median (2%).
 DEFAULT_TARGET_HALFWIDTH = 0.02
@@ -50,6 +52,7 @@ class TimingPolicy:
         budget_s: stop adding rounds for one candidate after this many seconds of timing.
         max_noise_floor: control CI upper bound above which the host is declared noisy.
         bound_tolerance: relative slack over the receipts bound.
+        estimator: ``step_floor`` (default) or ``paired_median`` (see :func:`~worldfoundry.bench.stats.summarize_speed`).
     """
 
     min_rounds: int = 3
@@ -58,8 +61,11 @@ class TimingPolicy:
     budget_s: float = 60.0
     max_noise_floor: float = DEFAULT_MAX_NOISE_FLOOR
     bound_tolerance: float = DEFAULT_BOUND_TOLERANCE
+    estimator: str = DEFAULT_ESTIMATOR
 
     def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator: expected one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
         if self.min_rounds < 3:
             raise ValueError(f"min_rounds: at least 3 paired rounds are required, got {self.min_rounds}")
         if self.max_rounds < self.min_rounds:
@@ -73,35 +79,63 @@ class TimingPolicy:
 def ci_halfwidth(summary: Mapping[str, Any]) -> float:
     """Half the 95% CI width relative to the median speedup (``inf`` when undefined)."""
     low, high = summary["ci95"]
-    median = summary["median_speedup"]
-    if not median or median != median or low != low or high != high:
+    estimate = summary["speedup"]
+    if not estimate or estimate != estimate or low != low or high != high:
         return float("inf")
-    return (high - low) / 2.0 / median
+    return (high - low) / 2.0 / estimate
 
 
-def run_rounds(pair: Callable[[int], tuple[float, float]], policy: TimingPolicy, *,
+@dataclass(frozen=True)
+class Timed:
+    """One timed generation: its loop time, its per-step times and its group (the seed)."""
+
+    seconds: float
+    steps: tuple[float, ...] = ()
+    group: Any = None
+
+    @classmethod
+    def of(cls, seconds: float, phases: Mapping[str, Any], seed: int) -> Timed:
+        """From :func:`timed_generate`'s seconds and phases."""
+        return cls(float(seconds), tuple(float(x) for x in phases.get("steps_s") or ()), seed)
+
+
+def _sample(x: float | Timed) -> Timed:
+    return x if isinstance(x, Timed) else Timed(float(x))
+
+
+def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], policy: TimingPolicy, *,
                clock: Callable[[], float] = time.perf_counter,
                on_round: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Run paired rounds ``pair(r) -> (dense_s, candidate_s)`` until the stopping rule holds.
+    """Run paired rounds ``pair(r) -> (dense, candidate)`` (seconds, or :class:`Timed` samples with their steps)
+    until the stopping rule holds.
 
     Returns:
-        :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth`` and
-        ``stopped`` (``"target"``, ``"max_rounds"`` or ``"budget"``).
+        :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
+        (``"target"``, ``"max_rounds"`` or ``"budget"``) and the samples' ``steps_s`` and ``groups``.
     """
-    dense_s: list[float] = []
-    cand_s: list[float] = []
+    dense: list[Timed] = []
+    cand: list[Timed] = []
     start = clock()
     stopped = "max_rounds"
     summary: dict[str, Any] = {}
+
+    def summarize() -> dict[str, Any]:
+        steps = {"dense": [list(x.steps) for x in dense], "candidate": [list(x.steps) for x in cand]}
+        groups = [x.group for x in dense]
+        out = summarize_speed([x.seconds for x in dense], [x.seconds for x in cand], steps=steps, groups=groups,
+                              estimator=policy.estimator)
+        out.update(steps_s=steps, groups=groups)
+        return out
+
     for r in range(policy.max_rounds):
         d, c = pair(r)
-        dense_s.append(float(d))
-        cand_s.append(float(c))
+        dense.append(_sample(d))
+        cand.append(_sample(c))
         if on_round is not None:
             on_round()
-        if len(dense_s) < policy.min_rounds:
+        if len(dense) < policy.min_rounds:
             continue
-        summary = summarize_speed(dense_s, cand_s)
+        summary = summarize()
         if ci_halfwidth(summary) <= policy.target_halfwidth:
             stopped = "target"
             break
@@ -109,8 +143,8 @@ def run_rounds(pair: Callable[[int], tuple[float, float]], policy: TimingPolicy,
             stopped = "budget"
             break
     if not summary:
-        summary = summarize_speed(dense_s, cand_s)
-    summary.update(rounds=len(dense_s), halfwidth=ci_halfwidth(summary), stopped=stopped,
+        summary = summarize()
+    summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped,
                    target_halfwidth=policy.target_halfwidth)
     return summary
 
@@ -121,12 +155,12 @@ class Arm:
 
     Args:
         activate: make this arm the model's current state; returns ``True`` when that changed the model.
-        timed: ``(round, seed) -> seconds`` of one timed generation (the arm is active).
+        timed: ``(round, seed) ->`` one timed generation, seconds or a :class:`Timed` (the arm is active).
         warm: one untimed generation for ``seed`` (the arm is active).
     """
 
     activate: Callable[[], bool]
-    timed: Callable[[int, int], float]
+    timed: Callable[[int, int], float | Timed]
     warm: Callable[[int], Any]
 
 
@@ -138,13 +172,13 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
     ``warm`` generation before its timed one; the count is returned as ``warmups``."""
     warmups = [0]
 
-    def run(arm: Arm, r: int, seed: int) -> float:
+    def run(arm: Arm, r: int, seed: int) -> float | Timed:
         if arm.activate():
             arm.warm(seed)
             warmups[0] += 1
         return arm.timed(r, seed)
 
-    def pair(r: int) -> tuple[float, float]:
+    def pair(r: int) -> tuple[float | Timed, float | Timed]:
         seed = seeds[r % len(seeds)]
         if r % 2 == 0:
             d = run(dense, r, seed)
@@ -180,12 +214,12 @@ def speed_bound(skipped: Mapping[str, Mapping[str, int]], calls: int) -> float |
 
 
 def bound_violation(speed: Mapping[str, Any] | None, bound: float | None, tolerance: float) -> str | None:
-    """A message when the measured median speedup exceeds ``bound * (1 + tolerance)``, else ``None``."""
+    """A message when the measured speedup exceeds ``bound * (1 + tolerance)``, else ``None``."""
     if speed is None or bound is None:
         return None
-    median = float(speed["median_speedup"])
-    if median > bound * (1.0 + tolerance):
-        return (f"median speedup {median:.3g}x exceeds the receipts bound {bound:.3g}x (+{tolerance:.0%}): "
+    estimate = float(speed["speedup"])
+    if estimate > bound * (1.0 + tolerance):
+        return (f"speedup {estimate:.3g}x exceeds the receipts bound {bound:.3g}x (+{tolerance:.0%}): "
                 "the timing cannot be right")
     return None
 

@@ -90,6 +90,7 @@ class TuneConfig:
     time_budget_s: float = 30.0
     target_halfwidth: float = 0.02
     max_noise_floor: float = 1.05
+    estimator: str = "step_floor"
     progress: bool = True
     trace: list[dict[str, Any]] = field(default_factory=list)
 
@@ -210,7 +211,8 @@ class _Search:
             model=self.model, candidates=str(path), out=str(pass_dir), checkpoint_dir=c.checkpoint_dir,
             device=c.device, dtype=c.dtype, rounds=max(3, c.rounds), quality_only=not timed,
             random_weights=c.random_weights, progress=False, target_halfwidth=c.target_halfwidth,
-            time_budget_s=c.time_budget_s, max_noise_floor=c.max_noise_floor), registry=self.registry)
+            time_budget_s=c.time_budget_s, max_noise_floor=c.max_noise_floor, estimator=c.estimator),
+            registry=self.registry)
         self.passes.append({"pass": name, "timed": timed, "noise_floor": results.get("noise_floor"),
                             "noisy_host": results.get("noisy_host"),
                             "rows": [_summary(r) for r in results["candidates"]]})
@@ -223,7 +225,7 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
     speed = record.get("speed") or {}
     return {"name": record["name"], "accelerations": record["accelerations"], "verdict": record["verdict"],
             "within_budget": record.get("within_budget"), "worst": (record.get("quality") or {}).get("worst"),
-            "skipped": record.get("skipped"), "median_speedup": speed.get("median_speedup"),
+            "skipped": record.get("skipped"), "speedup": speed.get("speedup"),
             "ci95": speed.get("ci95"), "error": record.get("error")}
 
 
@@ -285,8 +287,8 @@ def _pick(records: list[dict[str, Any]], noisy: bool) -> dict[str, Any] | None:
     measured medians do not decide: the most skipped model calls do, then the median."""
     valid = [r for r in records if _ok(r) and r.get("speed") and r["verdict"] != "invalid_timing"]
     if noisy:
-        return max(valid, key=lambda r: (_skipped(r), r["speed"]["median_speedup"]), default=None)
-    return max(valid, key=lambda r: r["speed"]["median_speedup"], default=None)
+        return max(valid, key=lambda r: (_skipped(r), r["speed"]["speedup"]), default=None)
+    return max(valid, key=lambda r: r["speed"]["speedup"], default=None)
 
 
 def run_tune(config: TuneConfig, *, registry: AccelerationRegistry | None = None) -> dict[str, Any]:
@@ -332,7 +334,7 @@ def _write_candidate(search: _Search, best: dict[str, Any] | None) -> Path | Non
     speed = best["speed"]
     path.write_text(json.dumps({
         "model": search.model,
-        "description": f"found by worldfoundry tune: median {speed['median_speedup']:.3g}x "
+        "description": f"found by worldfoundry tune: {speed['speedup']:.3g}x "
                        f"[{speed['ci95'][0]:.3g}, {speed['ci95'][1]:.3g}] within the budget",
         "workload": search.workload, "quality_budget": search.budget, "timing": {"rounds": 3},
         "candidates": [{"name": "tuned", "accelerations": best["accelerations"]}]}, indent=2))
@@ -347,8 +349,8 @@ def render_tune_report(trace: dict[str, Any]) -> str:
         lines.append(f"- left out of the search: {json.dumps(trace['left_out'])}")
     chosen = trace["chosen"]
     if chosen:
-        lines += ["", f"**Chosen**: `{json.dumps(chosen['accelerations'])}` — median "
-                  f"{chosen['median_speedup']:.4g}× (95% CI {chosen['ci95']}), verdict {chosen['verdict']}; "
+        lines += ["", f"**Chosen**: `{json.dumps(chosen['accelerations'])}` — "
+                  f"{chosen['speedup']:.4g}× (95% CI {chosen['ci95']}), verdict {chosen['verdict']}; "
                   f"chosen by {trace['chosen_by']}; written to `tuned.json`."]
     else:
         lines += ["", "**No configuration** within the budget was faster than dense (nothing written)."]
@@ -361,7 +363,7 @@ def render_tune_report(trace: dict[str, Any]) -> str:
             w = r.get("worst") or {}
             lines.append(f"| {r['name']} | {r['verdict']} | {_g(w.get('latent_rel_l2'))} | {_g(w.get('psnr_db'))} | "
                          f"{_g(w.get('min_ssim'))} | {(r.get('skipped') or {}).get(CACHE_PLUGIN, {}).get('steps', '–')} | "
-                         f"{_g(r.get('median_speedup'))} |")
+                         f"{_g(r.get('speedup'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -46,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_timing_arguments(p: argparse.ArgumentParser) -> None:
     """Adaptive timing and peer options (shared with ``worldfoundry tune``)."""
     p.add_argument("--target-halfwidth", type=float, default=0.02,
-                   help="add paired rounds until the speedup CI half-width / median is at most this (default 0.02)")
+                   help="add paired rounds until the speedup CI half-width / estimate is at most this (default 0.02)")
+    p.add_argument("--estimator", choices=("step_floor", "paired_median"), default="step_floor",
+                   help="speedup estimate: per-step minimum times over rounds (default), or the median of "
+                        "per-round ratios; both are written to results.json")
     p.add_argument("--max-rounds", type=int, default=None, help="never more paired rounds than this (default 4x)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="seconds of timing per candidate after which no rounds are added (default 60)")
@@ -122,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-        max_noise_floor=args.max_noise_floor,
+        max_noise_floor=args.max_noise_floor, estimator=args.estimator,
         peers=args.peers,
     )
     try:

@@ -32,6 +32,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--survivors", type=int, default=3, help="quality survivors that are timed (default 3)")
     p.add_argument("--refine", type=int, default=2, help="threshold bisection passes (default 2)")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds of timing per candidate (default 30)")
+    p.add_argument("--estimator", choices=("step_floor", "paired_median"), default="step_floor",
+                   help="speedup estimate of the timed passes (see worldfoundry bench --help)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -65,7 +67,7 @@ def _config(args: argparse.Namespace) -> Any:
                       space=_read_json(args.space, "--space") if args.space else None, out=args.out,
                       device=args.device, dtype=args.dtype, checkpoint_dir=args.checkpoint_dir,
                       random_weights=args.random_weights, survivors=args.survivors, refine=args.refine,
-                      time_budget_s=args.time_budget, progress=not args.no_progress)
+                      time_budget_s=args.time_budget, estimator=args.estimator, progress=not args.no_progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if chosen is None:
         print(f"no configuration within the budget; see {args.out}/tune_report.md")
         return 1
-    print(f"chosen: {json.dumps(chosen['accelerations'])}  median {chosen['median_speedup']:.3g}x "
+    print(f"chosen: {json.dumps(chosen['accelerations'])}  {chosen['speedup']:.3g}x "
           f"CI {chosen['ci95']}  ({chosen['verdict']})")
     print(f"wrote {args.out}/tuned.json, tune_report.md, tune.json")
     return 0

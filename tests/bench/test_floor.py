@@ -1,0 +1,94 @@
+"""The step-floor speedup: exact under one-sided interference, per seed, with a paired bootstrap CI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worldfoundry.bench.floor import step_floor
+from worldfoundry.bench.stats import summarize_speed
+
+_times = st.lists(st.floats(0.01, 1.0), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dense=_times, ratio=st.floats(0.25, 4.0), rounds=st.integers(2, 8), data=st.data())
+def test_interference_on_other_rounds_never_moves_the_floor(dense, ratio, rounds, data) -> None:
+    """Each side has one clean round; every other round gets arbitrary extra time on arbitrary steps."""
+    cand = [t / ratio for t in dense]
+    noise = st.lists(st.floats(0.0, 2.0), min_size=len(dense), max_size=len(dense))
+    d_rounds, c_rounds = [], []
+    clean_d, clean_c = data.draw(st.integers(0, rounds - 1)), data.draw(st.integers(0, rounds - 1))
+    for r in range(rounds):
+        d_extra = [0.0] * len(dense) if r == clean_d else data.draw(noise)
+        c_extra = [0.0] * len(dense) if r == clean_c else data.draw(noise)
+        d_rounds.append([t + e for t, e in zip(dense, d_extra)])
+        c_rounds.append([t + e for t, e in zip(cand, c_extra)])
+    out = step_floor(d_rounds, c_rounds, [42] * rounds)
+    assert out is not None
+    assert out["speedup"] == pytest.approx(ratio, rel=1e-9)
+    assert out["dense_floor_s"] == pytest.approx(sum(dense), rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=st.lists(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3), min_size=2, max_size=6),
+       c=st.lists(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3), min_size=2, max_size=6),
+       scale=st.floats(0.1, 10.0))
+def test_scale_free_and_reciprocal(d, c, scale) -> None:
+    n = min(len(d), len(c))
+    d, c = d[:n], c[:n]
+    groups = [42] * n
+    base = step_floor(d, c, groups)
+    scaled = step_floor([[x * scale for x in row] for row in d], [[x * scale for x in row] for row in c], groups)
+    swapped = step_floor(c, d, groups)
+    assert scaled["speedup"] == pytest.approx(base["speedup"], rel=1e-9)
+    assert swapped["speedup"] == pytest.approx(1.0 / base["speedup"], rel=1e-9)
+    low, high = base["ci95"]
+    assert low <= high
+
+
+def test_each_seed_keeps_its_own_steps() -> None:
+    """A cache that skips step 1 for seed 42 and step 2 for seed 43: pooling step minima over seeds would take
+    the skipped (cheap) time of both steps and overstate the speedup; per seed it is exact."""
+    dense = [[1.0, 1.0, 1.0]] * 4
+    cand = [[1.0, 0.0 + 1e-3, 1.0], [1.0, 1.0, 1e-3]] * 2
+    out = step_floor(dense, cand, [42, 43, 42, 43])
+    assert out["speedup"] == pytest.approx(6.0 / (2 * 2.0 + 2e-3))
+    pooled = step_floor(dense, cand, [0] * 4)
+    assert pooled["speedup"] > 2.5  # what ignoring the seeds would claim
+
+
+def test_a_seed_timed_once_has_no_ci_and_the_paired_median_stands_in() -> None:
+    d, c = [[1.0, 1.0], [1.0, 1.0], [1.1, 1.0]], [[0.5, 0.5], [0.5, 0.5], [0.5, 0.6]]
+    floor = step_floor(d, c, [42, 43, 42])
+    assert floor is not None and floor["speedup"] == pytest.approx(2.0)
+    assert all(math.isnan(x) for x in floor["ci95"])
+    out = summarize_speed([2.0, 2.0, 2.1], [1.0, 1.0, 1.1], steps={"dense": d, "candidate": c},
+                          groups=[42, 43, 42])
+    assert out["estimator"] == "paired_median" and "timed once" in out["estimator_note"]
+    assert out["speedup"] == out["paired_median"]
+
+
+@pytest.mark.parametrize(("dense", "cand", "groups"), [
+    ([[1.0, 1.0], [1.0]], [[0.5, 0.5], [0.5, 0.5]], [42, 42]),   # a round with a step missing
+    ([[1.0], [1.0]], [[0.5], [0.5]], [42]),                        # groups do not match the rounds
+    ([], [], []),
+    ([[], []], [[], []], [42, 42]),                                # no step times recorded
+])
+def test_misaligned_steps_give_no_floor(dense, cand, groups) -> None:
+    assert step_floor(dense, cand, groups) is None
+
+
+def test_summarize_speed_names_its_estimator_and_keeps_both() -> None:
+    steps = {"dense": [[1.0, 1.0]] * 4, "candidate": [[0.5, 0.5], [0.5, 0.9], [0.5, 0.5], [0.7, 0.5]]}
+    out = summarize_speed([2.0] * 4, [1.0, 1.4, 1.0, 1.2], steps=steps, groups=[42] * 4)
+    assert out["estimator"] == "step_floor" and out["speedup"] == pytest.approx(2.0)
+    assert out["step_floor"]["speedup"] == out["speedup"] and out["paired_median"] == pytest.approx(1.8333, 1e-3)
+    paired = summarize_speed([2.0] * 4, [1.0, 1.4, 1.0, 1.2], steps=steps, groups=[42] * 4,
+                             estimator="paired_median")
+    assert paired["speedup"] == paired["paired_median"] and "estimator_note" not in paired
+    with pytest.raises(ValueError, match="estimator"):
+        summarize_speed([1.0], [1.0], estimator="mean")
