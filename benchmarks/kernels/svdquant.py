@@ -18,8 +18,10 @@ section):
    the entry to commit to ``MEASURED_CONFIGS``.
 2. ``forward_w81``: Wan2.1-T2V-1.3B architecture (random seeded weights, bf16) at W81: dense vs svdquant on
    the 60 FFN Linears (``blocks.*.ffn.0`` / ``ffn.2``; artifact calibrated here on random inputs at W17, rank 32,
-   grouping ``--forward-mode`` (default per channel), randomized SVD, ``keep_original: cpu``): forward ratio, latent rel L2, receipts (every Linear
-   executed ``w4a8``, no fallback), device bytes of the model, exact restore after uninstall.
+   grouping ``--forward-mode`` (default per channel), randomized SVD, ``keep_original: cpu``), one model per
+   ``--forward-variants`` entry (``smoothed``; ``unsmoothed-ffn2``: ``ffn.2`` calibrated without smoothing;
+   ``unsmoothed``: both), all timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
+   receipts (kernels run, no fallback), device bytes, exact restore after uninstall.
 3. ``memory_14b``: Wan2.1-T2V-14B architecture (40 layers, dim 5120, 40 heads, FFN 13,824; random weights
    built directly on the GPU in bf16): device memory of the DiT with and without the plugin on the 80 FFN
    Linears (``keep_original: cpu``), and one W17 forward with receipts.
@@ -310,15 +312,23 @@ def wan_inputs(latent: tuple[int, int, int], text_dim: int, device: torch.device
     }
 
 
-def calibrate_random(model: nn.Module, inputs: dict[str, Any], out: Path, *, group: int, rank: int) -> Path:
-    """Artifact for ``model`` calibrated on one forward of random ``inputs`` (randomized SVD)."""
+def calibrate_random(model: nn.Module, inputs: dict[str, Any], out: Path, *, group: int, rank: int,
+                     unsmoothed: tuple[str, ...] = ()) -> Path:
+    """Artifact for ``model`` calibrated on one forward of random ``inputs`` (randomized SVD); the Linears that
+    ``unsmoothed`` names are decomposed without smoothing."""
     selected = select_for_calibration(model, INCLUDE)
     with InputAbsmaxObserver(selected) as obs, torch.inference_mode():
         model(**inputs)
     manifest, tensors = build_svdquant_artifact(model, selected, obs.absmax, rank=rank, group_size=group,
                                                 svd="randomized", include=INCLUDE, observer=obs,
-                                                calibration={"inputs": "random (seeded)", "seeds": [11]})
+                                                calibration={"inputs": "random (seeded)", "seeds": [11]},
+                                                unsmoothed=unsmoothed)
     return save_svdquant_artifact(manifest, tensors, out)
+
+
+#: ``--forward-variants``: which Linears are calibrated without smoothing in each W81 forward variant.
+FORWARD_VARIANTS: dict[str, tuple[str, ...]] = {
+    "smoothed": (), "unsmoothed-ffn2": ("blocks.*.ffn.2",), "unsmoothed": INCLUDE}
 
 
 def _group(device: torch.device, args: argparse.Namespace) -> int:
@@ -351,36 +361,51 @@ def _param_bytes(model: nn.Module, device: torch.device) -> int:
     return sum(_bytes(p) for p in model.parameters() if p.device.type == device.type)
 
 
-def forward_bench(device: torch.device, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    config = WAN_1_3B if device.type == "cuda" else WAN_TINY
-    workloads = WORKLOADS if device.type == "cuda" else SMOKE_WORKLOADS
-    dense = build_wan(config, device)
-    artifact = calibrate_random(dense, wan_inputs(workloads["W17"], config["text_dim"], device, seed=11),
-                                scratch / "wan13b.json", group=_group(device, args), rank=args.rank)
+def _forward_variant(dense: nn.Module, name: str, device: torch.device, args: argparse.Namespace, scratch: Path,
+                     calib: dict[str, Any], inputs: dict[str, Any], ref: torch.Tensor) -> tuple[nn.Module, Any, dict]:
+    """One svdquant variant of ``dense``: calibrated, installed (``keep_original: cpu``), proved, its rel L2."""
+    artifact = calibrate_random(dense, calib, scratch / f"wan13b-{name}.json", group=_group(device, args),
+                                rank=args.rank, unsmoothed=FORWARD_VARIANTS[name])
     model = copy.deepcopy(dense)
-    inputs = wan_inputs(workloads["W81"], config["text_dim"], device)
-    with torch.inference_mode():
-        ref = dense(**inputs)[0].float()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     alloc_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     session = _install(model, artifact, "cpu")
     alloc_after = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    proof = _proof(session, model, inputs, "w81-proof")
+    proof = _proof(session, model, inputs, f"w81-proof-{name}")
     with torch.inference_mode():
         out = model(**inputs)[0].float()
     report = session.execution_report()["plugins"]["svdquant"]["model"]["svdquant"]
-    entry: dict[str, Any] = {"workload": "W81", "latent": list(workloads["W81"]), "artifact": str(artifact),
-                             "latent_rel_l2_vs_dense": rel_l2(out, ref), "execution_proof": proof,
-                             "memory_report": report["memory"],
-                             "device_allocated_delta_on_install_bytes": alloc_after - alloc_before}
-    calls = {"dense": lambda: _infer(dense, inputs), "svdquant": lambda: _infer(model, inputs)}
-    entry["timing"] = interleaved(calls, device, rounds=args.forward_rounds, warmup=1, iters=1, baseline="dense")
-    session.uninstall()
+    return model, session, {"artifact": str(artifact), "unsmoothed": list(FORWARD_VARIANTS[name]),
+                            "latent_rel_l2_vs_dense": rel_l2(out, ref), "execution_proof": proof,
+                            "memory_report": report["memory"],
+                            "device_allocated_delta_on_install_bytes": alloc_after - alloc_before}
+
+
+def forward_bench(device: torch.device, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Dense against every ``--forward-variants`` svdquant model in the same interleaved rounds."""
+    config = WAN_1_3B if device.type == "cuda" else WAN_TINY
+    workloads = WORKLOADS if device.type == "cuda" else SMOKE_WORKLOADS
+    dense = build_wan(config, device)
+    calib = wan_inputs(workloads["W17"], config["text_dim"], device, seed=11)
+    inputs = wan_inputs(workloads["W81"], config["text_dim"], device)
     with torch.inference_mode():
-        after = model(**inputs)[0].float()
-    entry["restored_output_bitwise"] = bool(torch.equal(after, ref))
-    entry["restored_state_bitwise"] = all(torch.equal(a, b) for a, b in zip(
-        model.state_dict().values(), dense.state_dict().values(), strict=True))
+        ref = dense(**inputs)[0].float()
+    entry: dict[str, Any] = {"workload": "W81", "latent": list(workloads["W81"]), "variants": {}}
+    calls = {"dense": lambda: _infer(dense, inputs)}
+    installed = []
+    for name in args.forward_variants:
+        model, session, record = _forward_variant(dense, name, device, args, scratch, calib, inputs, ref)
+        entry["variants"][name] = record
+        calls[f"svdquant {name}"] = lambda model=model: _infer(model, inputs)
+        installed.append((name, model, session))
+    entry["timing"] = interleaved(calls, device, rounds=args.forward_rounds, warmup=1, iters=1, baseline="dense")
+    for name, model, session in installed:
+        session.uninstall()
+        with torch.inference_mode():
+            after = model(**inputs)[0].float()
+        entry["variants"][name]["restored_output_bitwise"] = bool(torch.equal(after, ref))
+        entry["variants"][name]["restored_state_bitwise"] = all(torch.equal(a, b) for a, b in zip(
+            model.state_dict().values(), dense.state_dict().values(), strict=True))
     entry["note"] = RANDOM_NOTE
     return entry
 
@@ -456,10 +481,12 @@ def print_tables(data: dict[str, Any]) -> None:
     fw = data.get("forward_w81")
     if fw:
         t = fw["timing"]
-        print(f"\n== Wan 1.3B W81 forward: dense {t['dense']['median_ms']:.1f} ms, svdquant "
-              f"{t['svdquant']['median_ms']:.1f} ms ({t['svdquant']['paired_speedup_median']:.3f}x); latent rel L2 "
-              f"{fw['latent_rel_l2_vs_dense']:.4f}; proof {fw['execution_proof']['kinds']} fallbacks "
-              f"{fw['execution_proof']['fallbacks']}; restored bitwise {fw['restored_output_bitwise']}")
+        print(f"\n== Wan 1.3B W81 forward: dense {t['dense']['median_ms']:.1f} ms")
+        for name, v in fw["variants"].items():
+            tv = t[f"svdquant {name}"]
+            print(f"   svdquant {name:<16} {tv['median_ms']:.1f} ms ({tv['paired_speedup_median']:.3f}x); latent rel L2 "
+                  f"{v['latent_rel_l2_vs_dense']:.4f}; proof {v['execution_proof']['kinds']} fallbacks "
+                  f"{v['execution_proof']['fallbacks']}; restored bitwise {v.get('restored_output_bitwise')}")
     mem = data.get("memory_14b")
     if mem:
         gib = 2.0**30
@@ -494,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["linear", "forward_w81", "memory_14b"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                    help="residual scale groupings per Linear (channel = one scale per output channel)")
+    p.add_argument("--forward-variants", nargs="+", default=["smoothed", "unsmoothed-ffn2"],
+                   choices=list(FORWARD_VARIANTS), help="svdquant models timed against dense at W81 (same rounds)")
     p.add_argument("--forward-mode", default="channel", choices=list(MODES), help="grouping of the W81/14B artifacts")
     p.add_argument("--grouped-sweep", action="store_true", help="also time fixed tiles of the group-scale GEMM")
     p.add_argument("--with-w4a16", action="store_true", help="also time the W4A16 GEMM")

@@ -14,7 +14,9 @@ residual scale grouping (``--modes``, default ``channel g128``), interleaved pai
   quantizers, both low-rank down projections, and the FP8 ``torch._scaled_mm`` anchors (strict and fast
   accumulation, pre-quantized FP8 weights);
 * accuracy on these weights: rel L2 to bf16 of W4F8 (kernel and torch reference), of the INT8 W4A8 reference and
-  of plain INT4 RTN with FP8 activations.
+  of plain INT4 RTN with FP8 activations;
+* the same Linear decomposed **without smoothing** (``unsmoothed: `` rows and keys), whose quantizer skips ``1/λ``:
+  the cuBLAS totals, the activation operand and the rel L2 to bf16.
 
 Usage::
 
@@ -142,13 +144,15 @@ QUANT_SWEEP: dict[str, dict[str, Any]] = {
 
 
 def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8_out: torch.Tensor,
-            entry: dict[str, Any], producer: dict[str, Any] | None = None) -> dict[str, Callable[[], Any]]:
-    """The per-channel cuBLAS W4F8 path: totals (fast / strict accumulation), operands, the GEMM alone, sweeps."""
+            entry: dict[str, Any], producer: dict[str, Any] | None = None, *, prefix: str = "",
+            sweeps: bool = True) -> dict[str, Callable[[], Any]]:
+    """The per-channel cuBLAS W4F8 path: totals (fast / strict accumulation), operands, the GEMM alone, and with
+    ``sweeps`` the tile and quantizer sweeps. ``prefix`` goes before every name and ``entry`` key."""
     if x.device.type != "cuda" or unsupported_reason(sq) is not None:
-        entry["cublas_skipped"] = unsupported_reason(sq) or "cpu"
+        entry[f"{prefix}cublas_skipped"] = unsupported_reason(sq) or "cpu"
         return {}
     prep = prepare_scaled_mm(sq)
-    entry["cublas_exponents"] = prep.exponents.unique().tolist()
+    entry[f"{prefix}cublas_exponents"] = prep.exponents.unique().tolist()
     quant = producer or {}
 
     def operand() -> Any:
@@ -160,15 +164,17 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
     for fast in (True, False):
         tag = "fast" if fast else "strict"
         y = scaled_mm_w4f8(x, sq, prep, b, use_fast_accum=fast, activation_operand_pair=operand())
-        entry.setdefault("cublas_rel_l2", {})[tag] = {"vs_bf16": rel_l2(y.float(), dense),
-                                                      "vs_w4f8_bf16_lowrank_kernel": rel_l2(y.float(), w4f8_out.float())}
-        calls[f"cublas w4f8 total {tag}"] = lambda fast=fast: scaled_mm_w4f8(
+        entry.setdefault(f"{prefix}cublas_rel_l2", {})[tag] = {
+            "vs_bf16": rel_l2(y.float(), dense), "vs_w4f8_bf16_lowrank_kernel": rel_l2(y.float(), w4f8_out.float())}
+        calls[f"{prefix}cublas w4f8 total {tag}"] = lambda fast=fast: scaled_mm_w4f8(
             x, sq, prep, b, use_fast_accum=fast, activation_operand_pair=operand())
-        calls[f"cublas _scaled_mm only {tag}"] = lambda fast=fast: torch._scaled_mm(
+        calls[f"{prefix}cublas _scaled_mm only {tag}"] = lambda fast=fast: torch._scaled_mm(
             a, bw.t(), scale_a=s, scale_b=prep.scale_b, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast)
     if producer is None:  # the plugin's per-Linear call (dispatch, prepared operands)
-        calls["plugin path: svdquant_linear auto"] = lambda: svdquant_linear(x, sq, b, scaled=prep)
-    calls["cublas activation operand"] = operand
+        calls[f"{prefix}plugin path: svdquant_linear auto"] = lambda: svdquant_linear(x, sq, b, scaled=prep)
+    calls[f"{prefix}cublas activation operand"] = operand
+    if not sweeps:
+        return calls
     for bm, bk in ((64, 128), (128, 128), (64, 256), (32, 256)):
         calls[f"cublas activation operand, appended {bm}x{bk}"] = lambda bm=bm, bk=bk: activation_operand(
             x, sq, prep, block_m=bm, block_k=bk, **quant)
@@ -216,8 +222,19 @@ def up_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n: i
     }
     calls.update(_anchors(x, w, b))
     calls.update(_tiles(q, s, sq, t, b, wf, args, entry))
-    calls.update(_cublas(x, sq, b, F.linear(x, w, b).float(), y, entry))
+    dense = F.linear(x, w, b).float()
+    calls.update(_cublas(x, sq, b, dense, y, entry))
+    calls.update(_unsmoothed(x, w, b, dense, y, args, group, entry))
     return _time(calls, device, args, entry)
+
+
+def _unsmoothed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dense: torch.Tensor, w4f8_out: torch.Tensor,
+                args: argparse.Namespace, group: int, entry: dict[str, Any],
+                producer: dict[str, Any] | None = None) -> dict[str, Callable[[], Any]]:
+    """The same Linear decomposed without smoothing (``worldfoundry calibrate svdquant --unsmoothed``): its
+    quantizer skips ``1/λ``; totals, operand and accuracy under the ``unsmoothed: `` prefix."""
+    plain = pad_rank(decompose(w, rank=args.rank, group_size=group, svd="randomized"))
+    return _cublas(x, plain, b, dense, w4f8_out, entry, producer, prefix="unsmoothed: ", sweeps=False)
 
 
 def down_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n: int, mode: str) -> dict[str, Any]:
@@ -266,6 +283,7 @@ def down_case(device: torch.device, args: argparse.Namespace, m: int, k: int, n:
     activation, constants = _KERNEL_ARGS["tanh"]
     producer = {"activation": activation, "constants": constants}
     calls.update(_cublas(h, sq, b, dense_fused, y, entry, producer))
+    calls.update(_unsmoothed(h, w, b, dense_fused, y, args, group, entry, producer))
     return _time(calls, device, args, entry)
 
 

@@ -72,3 +72,21 @@ def test_calibrate_plugins_script_svdquant_writes_pt_and_summary(tmp_path: Path)
                            "blocks.*.ffn.2", "--rank", "8", "--frames", "5", "--steps", "1", "--out", str(out)])
     assert summary["artifact"] == str(out) and (tmp_path / "svdquant.json").is_file()
     assert load_svdquant_artifact(out).manifest["rank"] == 8
+
+
+def test_calibrate_unsmoothed_linears(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "u.json"
+    rc = main(["calibrate", "--json", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--frames", "5",
+               "--steps", "2", "--rank", "8", "--unsmoothed", "blocks.*.ffn.2", "--out", str(out)])
+    assert rc == 0
+    art = load_svdquant_artifact(out)
+    assert art.manifest["unsmoothed"] == ["blocks.*.ffn.2"]
+    for path, record in art.manifest["linears"].items():
+        assert record["smoothed"] is (not path.endswith("ffn.net.2"))
+        assert (f"{path}.inv_smooth" in art.tensors) is (not path.endswith("ffn.net.2"))
+    capsys.readouterr()
+    rc = main(["calibrate", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--frames", "5", "--steps",
+               "2", "--include", "blocks.*.ffn.0", "--unsmoothed", "blocks.*.ffn.2", "--out", str(tmp_path / "v.json")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--unsmoothed 'blocks.*.ffn.2' selects none of the calibrated Linears" in err
+    assert not (tmp_path / "v.json").exists()

@@ -54,6 +54,9 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
                    help="input features per INT4 scale, or 'channel' (0): one scale per output channel for the "
                         "whole K (the fastest W4A8 GEMM; K a multiple of 128)")
     p.add_argument("--alpha", type=float, default=0.5, help="smoothing migration strength in [0, 1]")
+    p.add_argument("--unsmoothed", nargs="+", default=[], metavar="PATTERN",
+                   help="included Linears decomposed without smoothing (e.g. 'blocks.*.ffn.2': with FP8 "
+                        "activations their quantizer then skips the per-channel 1/lambda)")
     p.add_argument("--svd", choices=["full", "randomized"], default="full")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
     p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
@@ -93,7 +96,7 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
             pipe, include=args.include, prompts=args.prompts or CALIBRATION_PROMPTS, seeds=args.seeds,
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             references=args.save_references, method=args.method, rank=args.rank, group_size=args.group_size,
-            alpha=args.alpha, svd=args.svd)
+            alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed)
     manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
     manifest["calibration"]["random_weights"] = bool(args.random_weights)
     out = save_svdquant_artifact(manifest, tensors, args.out)

@@ -39,8 +39,9 @@ def run_wan(model: nn.Module, dtype: torch.dtype = torch.float32, seed: int = 1)
 
 
 def calibrate(model: nn.Module, out: Path, *, method: str = "svdquant", rank: int = 16, group_size: int = 64,
-              include: tuple[str, ...] = ("blocks.*.ffn.0", "blocks.*.ffn.2")) -> Path:
-    """Calibrate on inputs of seeds 11/12 and write the artifact (``.json`` or ``.pt`` by suffix)."""
+              include: tuple[str, ...] = ("blocks.*.ffn.0", "blocks.*.ffn.2"), unsmoothed: tuple[str, ...] = ()) -> Path:
+    """Calibrate on inputs of seeds 11/12 and write the artifact (``.json`` or ``.pt`` by suffix); ``unsmoothed``
+    Linears are decomposed without smoothing."""
     from worldfoundry.base_models.diffusion_model.svdquant_calibration import (
         InputAbsmaxObserver,
         build_svdquant_artifact,
@@ -55,7 +56,8 @@ def calibrate(model: nn.Module, out: Path, *, method: str = "svdquant", rank: in
             run_wan(model, dtype, seed)
     manifest, tensors = build_svdquant_artifact(model, selected, obs.absmax, method=method, rank=rank,
                                                 group_size=group_size, include=include,
-                                                calibration={"seeds": [11, 12]}, observer=obs)
+                                                calibration={"seeds": [11, 12]}, observer=obs,
+                                                unsmoothed=unsmoothed)
     return save_svdquant_artifact(manifest, tensors, out)
 
 

@@ -111,9 +111,11 @@ def _wide_wan(kit):
 
 
 @pytest.mark.skipif(not HOPPER, reason="W4F8 is the automatic backend on sm_90+")
-def test_fused_gelu_producer_runs_and_undoes(kit, tmp_path):
-    # dim 128, FFN 256: both FFN Linears take per-channel scales
-    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, model=_wide_wan(kit), group_size=0)
+@pytest.mark.parametrize("unsmoothed", [(), ("blocks.*.ffn.2",)], ids=["smoothed", "ffn2-unsmoothed"])
+def test_fused_gelu_producer_runs_and_undoes(kit, tmp_path, unsmoothed):
+    # dim 128, FFN 256: both FFN Linears take per-channel scales; unsmoothed, the producer skips 1/lambda
+    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, model=_wide_wan(kit), group_size=0,
+                                                        unsmoothed=unsmoothed)
     outs = {}
     for fuse in (True, False):
         session = install_diffusion_accelerations(

@@ -48,3 +48,23 @@ def test_per_channel_artifact_runs_and_restores_exactly(kit, wan, channel_artifa
     assert float((out - dense).norm() / dense.norm()) < 0.05
     session.uninstall()
     kit.assert_same(before, kit.fingerprint(wan))
+
+
+@pytest.mark.parametrize("backend", ["reference", "w4f8"])
+def test_an_unsmoothed_artifact_runs_without_smoothing_and_restores(kit, wan, tmp_path, backend):
+    """``ffn.2`` calibrated with ``unsmoothed``: no ``1/λ`` anywhere, the same receipts and tolerance."""
+    artifact = kit.calibrate(wan, tmp_path / "plain.json", group_size=0, include=("blocks.*.ffn.2",),
+                             unsmoothed=("blocks.*.ffn.2",))
+    before = kit.fingerprint(wan)
+    dense = kit.run_wan(wan)
+    session = _install(wan, artifact, backend=backend)
+    targets = next(iter(session.handles("svdquant").values())).runtime.targets
+    assert all(t.weight.inv_smooth is None for t in targets.values())
+    with request_scope(RequestContext("r1", branch="cond", step_index=0)):
+        out = kit.run_wan(wan)
+    record = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
+    ran = "reference_w4f8" if backend == "w4f8" else backend  # off CUDA, w4f8 runs its torch reference
+    assert record["modules"] == {p: {ran: 1} for p in FFN2} and record["fallbacks"] == {}
+    assert float((out - dense).norm() / dense.norm()) < 0.05
+    session.uninstall()
+    kit.assert_same(before, kit.fingerprint(wan))

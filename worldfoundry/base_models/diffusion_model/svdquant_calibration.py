@@ -113,7 +113,7 @@ def build_svdquant_artifact(
     model: nn.Module, selected: Sequence[SelectedLinear], absmax: Mapping[str, torch.Tensor] | None, *,
     method: str = "svdquant", rank: int = 32, group_size: int = 64, alpha: float = 0.5, svd: str = "full",
     include: Sequence[str] = (), calibration: Mapping[str, Any] | None = None,
-    observer: InputAbsmaxObserver | None = None,
+    observer: InputAbsmaxObserver | None = None, unsmoothed: Sequence[str] = (),
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Decompose every selected Linear and build the manifest and tensors of the artifact.
 
@@ -126,12 +126,16 @@ def build_svdquant_artifact(
         include: the calibration's patterns (recorded).
         calibration: provenance recorded under ``calibration``.
         observer: the observer whose call/row counts are recorded per Linear.
+        unsmoothed: patterns (as ``include``) of selected Linears decomposed without smoothing: their inputs are
+            quantized as they come (FP8 activations need smoothing less than INT8 ones), and at run time their
+            activation quantizer skips the per-channel ``1/λ``.
 
     Returns:
         ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
 
     Raises:
-        InvalidRequestError: unknown method, missing or non-finite statistics, or a Linear that saw no input.
+        InvalidRequestError: unknown method, missing or non-finite statistics, a Linear that saw no input, or an
+            ``unsmoothed`` pattern that selects no Linear of the calibration.
     """
     if method not in METHODS:
         raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
@@ -145,8 +149,9 @@ def build_svdquant_artifact(
     digests = iter(parameter_digests(params))
     linears: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
+    plain = _unsmoothed_paths(model, selected, unsmoothed)
     for s in selected:
-        stats = _finite_stats(absmax, s.path)
+        stats = None if s.path in plain else _finite_stats(absmax, s.path)
         w_digest = next(digests)
         b_digest = next(digests) if s.module.bias is not None else None
         with torch.no_grad():
@@ -157,7 +162,25 @@ def build_svdquant_artifact(
         linears[s.path] = _linear_record(s, q, w_digest, b_digest, observer)
     manifest = _manifest(model, selected, method=method, rank=rank, group_size=group_size, alpha=alpha, svd=svd,
                          include=include, calibration=calibration, linears=linears)
+    if unsmoothed:
+        manifest["unsmoothed"] = [str(p) for p in unsmoothed]
     return manifest, tensors
+
+
+def _unsmoothed_paths(model: nn.Module, selected: Sequence[SelectedLinear], patterns: Sequence[str]) -> set[str]:
+    """The selected paths ``patterns`` name (each pattern must name at least one of them)."""
+    chosen = {s.path for s in selected}
+    paths: set[str] = set()
+    for pattern in patterns:
+        try:
+            hits = {s.path for s in select_for_calibration(model, [pattern])} & chosen
+        except InvalidRequestError:
+            hits = set()
+        if not hits:
+            raise InvalidRequestError(f"--unsmoothed {pattern!r} selects none of the calibrated Linears "
+                                      f"(--include {' '.join(sorted(chosen))[:200]}); name one of them")
+        paths |= hits
+    return paths
 
 
 def _finite_stats(absmax: Mapping[str, torch.Tensor] | None, path: str) -> torch.Tensor | None:
@@ -223,7 +246,7 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         seeds: calibration seeds (11, 12 by default).
         frames, height, width, steps, guidance: request size (recipe defaults when ``None``).
         references: directory receiving ``calibration_<seed>.pt`` (``{"latents", "video"}``) per request.
-        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd`` for
+        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed`` for
             :func:`build_svdquant_artifact`.
 
     Returns:
