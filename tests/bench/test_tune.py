@@ -71,3 +71,21 @@ def test_generated_names_are_valid_candidate_names_for_the_default_space() -> No
     assert len(set(names)) == len(names)
     assert _name({"optimized_mha": {"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}}}) == \
         "optimized_mha-self.fusion=qkv-cross.fusion=kv"
+
+
+@pytest.mark.parametrize("given", [[], ["--estimator", "paired_median"]])
+def test_tune_and_bench_pass_the_estimator_on(given) -> None:
+    import argparse
+
+    from worldfoundry.cli import bench_cmd, tune_cmd
+
+    p = argparse.ArgumentParser()
+    tune_cmd.add_parser(p.add_subparsers(dest="command"))
+    config = tune_cmd._config(p.parse_args(["tune", *given]))
+    expected = given[1] if given else "step_floor"
+    assert config.estimator == expected
+    b = argparse.ArgumentParser()
+    bench_cmd.add_timing_arguments(b)
+    assert b.parse_args(given).estimator == expected
+    with pytest.raises(SystemExit):
+        b.parse_args(["--estimator", "mean"])

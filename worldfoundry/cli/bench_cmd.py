@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_timing_arguments(p: argparse.ArgumentParser) -> None:
-    """Adaptive timing and peer options (shared with ``worldfoundry tune``)."""
+    """Adaptive timing and peer options of ``worldfoundry bench``."""
     p.add_argument("--target-halfwidth", type=float, default=0.02,
                    help="add paired rounds until the speedup CI half-width / estimate is at most this (default 0.02)")
     p.add_argument("--estimator", choices=("step_floor", "paired_median"), default="step_floor",
