@@ -15,6 +15,8 @@ residual scale grouping (``--modes``, default ``channel g128``), interleaved pai
   accumulation, pre-quantized FP8 weights);
 * accuracy on these weights: rel L2 to bf16 of W4F8 (kernel and torch reference), of the INT8 W4A8 reference and
   of plain INT4 RTN with FP8 activations;
+* the activation operand in **one launch** (codes and appended low-rank codes together,
+  ``kernels/w4f8_activation_codes.py``): totals, the operand, a tile sweep, its codes checked bitwise;
 * the same Linear decomposed **without smoothing** (``unsmoothed: `` rows and keys), whose quantizer skips ``1/λ``:
   the cuBLAS totals, the activation operand and the rel L2 to bf16.
 
@@ -173,6 +175,7 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
     if producer is None:  # the plugin's per-Linear call (dispatch, prepared operands)
         calls[f"{prefix}plugin path: svdquant_linear auto"] = lambda: svdquant_linear(x, sq, b, scaled=prep)
     calls[f"{prefix}cublas activation operand"] = operand
+    calls.update(_one_launch(x, sq, prep, b, dense, entry, quant, prefix, sweeps))
     if not sweeps:
         return calls
     for bm, bk in ((64, 128), (128, 128), (64, 256), (32, 256)):
@@ -192,6 +195,32 @@ def _cublas(x: torch.Tensor, sq: Any, b: torch.Tensor, dense: torch.Tensor, w4f8
     for per_sm, warps in ((4, 8), (2, 8), (8, 4), (4, 4), (2, 16), (1, 16)):
         calls[f"held-smoothing quant {per_sm}/SM {warps} warps"] = lambda per_sm=per_sm, warps=warps: (
             triton_quantize_smoothed_fp8(x, sq.inv_smooth, programs_per_sm=per_sm, num_warps=warps, **quant))
+    return calls
+
+
+ONE_LAUNCH_TILES = ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 64, 4))
+
+
+def _one_launch(x: torch.Tensor, sq: Any, prep: Any, b: torch.Tensor, dense: torch.Tensor, entry: dict[str, Any],
+                quant: dict[str, Any], prefix: str, sweeps: bool) -> dict[str, Callable[[], Any]]:
+    """The activation operand in one launch (codes + appended codes): its total, the operand, tile sweep; the
+    codes and scales checked bitwise against the two-launch operand."""
+    def operand(tile: tuple[int, int, int] | None = None) -> Any:
+        return activation_operand(x, sq, prep, one_launch=True, one_launch_tile=tile, **quant)
+
+    (a1, s1), (a2, s2) = operand(), activation_operand(x, sq, prep, **quant)
+    k = x.shape[-1]
+    entry[f"{prefix}one_launch_codes_bitwise"] = bool(torch.equal(a1[:, :k].view(torch.uint8),
+                                                                  a2[:, :k].view(torch.uint8)) and torch.equal(s1, s2))
+    entry[f"{prefix}one_launch_rel_l2_vs_bf16"] = rel_l2(
+        scaled_mm_w4f8(x, sq, prep, b, activation_operand_pair=(a1, s1)).float(), dense)
+    calls: dict[str, Callable[[], Any]] = {
+        f"{prefix}cublas w4f8 total fast, one-launch operand": lambda: scaled_mm_w4f8(
+            x, sq, prep, b, activation_operand_pair=operand()),
+        f"{prefix}one-launch activation operand": operand}
+    if sweeps:
+        for tile in ONE_LAUNCH_TILES:
+            calls[f"{prefix}one-launch operand {tile[0]}x{tile[1]}x{tile[2]}w"] = lambda tile=tile: operand(tile)
     return calls
 
 

@@ -137,3 +137,34 @@ def test_fused_gelu_producer_runs_and_undoes(kit, tmp_path, unsmoothed):
     assert float((outs[True].float() - dense.float()).norm() / dense.float().norm()) < 0.05
     # the fused GELU rounds slightly differently from torch's; both quantize the same activations otherwise
     assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 0.01
+
+
+@pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536)])
+def test_one_launch_operand_on_the_gpu(k, n):
+    """Codes and scales bitwise the two-launch operand's; the appended codes within one e4m3 step of the head
+    (the float32 dot sums may run in another order); the Linear within 1e-3 of the two-launch one."""
+    _, x, b, sq = _case(k, n)
+    prep = sm.prepare_scaled_mm(sq)
+    a2, s2 = sm.activation_operand(x, sq, prep)
+    a1, s1 = sm.activation_operand(x, sq, prep, one_launch=True)
+    assert torch.equal(a1[:, :k].view(torch.uint8), a2[:, :k].view(torch.uint8)) and torch.equal(s1, s2)
+    assert (a1[:, k:].float() - a2[:, k:].float()).abs().max() <= 2**-3 * a2[:, k:].float().abs().max()
+    y1 = sm.scaled_mm_w4f8(x, sq, prep, b, one_launch=True)
+    assert _rel(y1, sm.scaled_mm_w4f8(x, sq, prep, b)) < 1e-3
+
+
+@pytest.mark.skipif(not HOPPER, reason="W4F8 is the automatic backend on sm_90+")
+def test_one_launch_operand_option_through_the_plugin(kit, tmp_path):
+    model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, model=_wide_wan(kit), group_size=0,
+                                                        unsmoothed=("blocks.*.ffn.2",))
+    outs = {}
+    for one in (False, True):
+        session = install_diffusion_accelerations(
+            model, {"svdquant": {"artifact": str(artifact), "one_launch_operand": one}},
+            RuntimePolicy(device="cuda"), registry=reg)
+        with request_scope(RequestContext(f"r-{one}")), torch.inference_mode():
+            outs[one] = model(**inputs, return_dict=False)[0]
+        session.uninstall()
+    assert _rel(outs[True], outs[False]) < 1e-3
+    with torch.inference_mode():
+        assert torch.equal(model(**inputs, return_dict=False)[0], dense)

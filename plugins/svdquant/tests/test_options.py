@@ -13,7 +13,7 @@ def test_defaults_and_json():
     opts = Options.from_mapping({"artifact": "a.json"})
     assert (opts.include, opts.keep_original, opts.backend) == (None, "device", "auto")
     assert opts.to_json() == {"artifact": "a.json", "include": None, "keep_original": "device", "backend": "auto",
-                              "fast_accum": True, "fuse_gelu": True}
+                              "fast_accum": True, "fuse_gelu": True, "one_launch_operand": False}
     assert prepare.options_class is Options
 
 
@@ -24,6 +24,7 @@ def test_defaults_and_json():
     ({"artifact": "a", "backend": "w4a4"}, "backend: expected one of"),
     ({"artifact": "a", "include": "blocks.*"}, "include: expected a list"),
     ({"artifact": "a", "fast_accum": "yes"}, "fast_accum: expected true/false"),
+    ({"artifact": "a", "one_launch_operand": 1}, "one_launch_operand: expected true/false"),
     ({"artifact": "a", "include": []}, "include: expected a list of 1 to"),
     ({"artifact": "a", "rank": 4}, r"unknown option\(s\) \['rank'\]"),
 ])

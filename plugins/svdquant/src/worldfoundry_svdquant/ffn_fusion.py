@@ -61,9 +61,11 @@ class FusedW4F8FFN(FusedFFNForward):
         x2d = x.reshape(-1, up.weight.in_features)
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
-        h = scaled_mm_w4f8(x2d, up.weight, up.scaled, up.linear.bias, use_fast_accum=fast)
+        one = runtime.options.one_launch_operand
+        h = scaled_mm_w4f8(x2d, up.weight, up.scaled, up.linear.bias, use_fast_accum=fast, one_launch=one)
         activation, constants = _KERNEL_ARGS[self.plan.activation.approximate]
-        pair = activation_operand(h, down.weight, down.scaled, activation=activation, constants=constants)
+        pair = activation_operand(h, down.weight, down.scaled, activation=activation, constants=constants,
+                                  one_launch=one)
         out = scaled_mm_w4f8(h, down.weight, down.scaled, down.linear.bias, use_fast_accum=fast,
                              activation_operand_pair=pair)
         runtime.ledger.executed(up.path, "w4f8")

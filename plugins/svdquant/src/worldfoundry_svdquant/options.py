@@ -40,6 +40,9 @@ class Options(PluginOptions):
             shapes it changed the Linear's relative L2 to bf16 by less than 1e-4 and saved 10-15 %).
         fuse_gelu: W4F8 only: when both Linears of a diffusers ``FeedForward`` run W4F8, compute the GELU, the
             smoothing and the down projection's FP8 quantization in one kernel (:mod:`.ffn_fusion`).
+        one_launch_operand: W4F8 only: build each activation operand -- the FP8 codes and the appended low-rank
+            codes -- in one launch instead of two (the second rereads the codes); the same codes and scales
+            (default false).
 
     Raises:
         AccelerationOptionsError: missing artifact, unknown key or bad value (the message names the path).
@@ -56,6 +59,7 @@ class Options(PluginOptions):
     backend: str = option("auto", choice(*BACKENDS))
     fast_accum: bool = option(True, boolean(expected="true/false"))
     fuse_gelu: bool = option(True, boolean(expected="true/false"))
+    one_launch_operand: bool = option(False, boolean(expected="true/false"))
 
     def validate(self) -> None:
         if self.artifact is None:

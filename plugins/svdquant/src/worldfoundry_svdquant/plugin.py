@@ -160,7 +160,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
 
     Args:
         model: a diffusers DiT (or any module whose Linear paths the artifact names).
-        options: ``{"artifact", "include", "keep_original", "backend", "fast_accum", "fuse_gelu"}``.
+        options: ``{"artifact", "include", "keep_original", "backend", "fast_accum", "fuse_gelu",
+            "one_launch_operand"}``.
         policy: the runtime policy (unused: the plugin runs on the model's own device).
 
     Returns:

@@ -12,7 +12,8 @@ Claims:
   ``[u_h | u_h | u_t]``, the per-channel exponents exact; the float32 product of the operands (what
   ``torch._scaled_mm`` computes, checked on the GPU) within 0.5 % (relative L2) of the reference with the
   low-rank branch on the codes -- the head/tail split, not one FP8 code (about 10 % off);
-* ``α = ||D̂||_1`` bounds every appended activation code by 448 (hypothesis over random rows).
+* ``α = ||D̂||_1`` bounds every appended activation code by 448 (hypothesis over random rows);
+* the one-launch activation operand (codes and appended codes together): bitwise the two-launch one.
 """
 
 from __future__ import annotations
@@ -179,3 +180,29 @@ def test_held_smoothing_quantizer_is_bitwise_the_rowwise_one(k, gelu):
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
     with pytest.raises(QuantizationInputError, match="inv_smooth must be float32"):
         triton_quantize_smoothed_fp8(x, inv[:-1])
+
+
+@pytest.mark.parametrize("k", [384, 1024])
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("smoothed", [True, False])
+def test_one_launch_operand_is_the_two_launch_one(k, gelu, smoothed):
+    """Codes, scales and appended codes in one launch: bitwise those of the quantizer + appended-codes kernels
+    (rows not a multiple of the tile; a producer GELU; with and without smoothing); with another tile (``K`` 384
+    not a multiple of its ``BLOCK_K``) the codes and scales still bitwise."""
+    from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
+
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(64, k, generator=gen) * 0.02
+    amax = torch.rand(k, generator=gen) * 4 + 0.1 if smoothed else None
+    sq = pad_rank(decompose(w, rank=16, group_size=0, act_absmax=amax))
+    prep = sm.prepare_scaled_mm(sq)
+    x = torch.randn(37, k, generator=gen).to(torch.bfloat16)
+    quant = dict(zip(("activation", "constants"), _KERNEL_ARGS["tanh"], strict=True)) if gelu else {}
+    a2, s2 = sm.activation_operand(x, sq, prep, held_smoothing=False, **quant)
+    a1, s1 = sm.activation_operand(x, sq, prep, one_launch=True, one_launch_tile=(16, 128, 4), **quant)
+    assert torch.equal(s1, s2)
+    assert torch.equal(a1.view(torch.uint8), a2.view(torch.uint8))
+    a3, s3 = sm.activation_operand(x, sq, prep, one_launch=True, one_launch_tile=(32, 256, 4), **quant)
+    assert torch.equal(a3[:, :k].view(torch.uint8), a2[:, :k].view(torch.uint8)) and torch.equal(s3, s2)
+    # another BLOCK_K sums the dot in another order: the appended codes agree within one e4m3 step of the head
+    assert (a3[:, k:].float() - a2[:, k:].float()).abs().max() <= 2**-3 * a2[:, k:].float().abs().max()

@@ -143,8 +143,8 @@ def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | No
 
 def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
                     backend: str = "auto", fused_lowrank: bool | None = None,
-                    scaled: ScaledMMWeight | None = None,
-                    fast_accum: bool = True) -> tuple[torch.Tensor, BackendChoice]:
+                    scaled: ScaledMMWeight | None = None, fast_accum: bool = True,
+                    one_launch: bool = False) -> tuple[torch.Tensor, BackendChoice]:
     """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
 
     Args:
@@ -157,6 +157,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         scaled: W4F8 only: :func:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm.prepare_scaled_mm` of
             ``weight`` (prepared here when ``None``; a weight it refuses runs W4A8, with the reason).
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation.
+        one_launch: W4F8 only: the activation operand (codes and appended low-rank codes) in one launch.
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -171,7 +172,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
     choice = choose_backend(x.device, backend, weight.group_size)
     if choice.backend == "w4f8":
-        out, choice = _w4f8(x, weight, bias, scaled, fast_accum)
+        out, choice = _w4f8(x, weight, bias, scaled, fast_accum, one_launch)
         if out is not None:
             return out, choice
     if choice.backend == "reference":
@@ -198,7 +199,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
 
 
 def _w4f8(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, scaled: ScaledMMWeight | None,
-          fast_accum: bool) -> tuple[torch.Tensor | None, BackendChoice]:
+          fast_accum: bool, one_launch: bool = False) -> tuple[torch.Tensor | None, BackendChoice]:
     """The W4F8 Linear, or ``(None, W4A8 with the reason)`` when its preparation refuses the weight."""
     try:
         prep = scaled if scaled is not None else prepare_scaled_mm(weight)
@@ -207,7 +208,7 @@ def _w4f8(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, sc
     x2d = x.reshape(-1, weight.in_features)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    out = scaled_mm_w4f8(x2d, weight, prep, bias, use_fast_accum=fast_accum)
+    out = scaled_mm_w4f8(x2d, weight, prep, bias, use_fast_accum=fast_accum, one_launch=one_launch)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features), BackendChoice("w4f8")
 
 

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import launch_rowwise_fp8
 from worldfoundry.core.acceleration.kernels.fp8_smoothed_quant import triton_quantize_smoothed_fp8
+from worldfoundry.core.acceleration.kernels.w4f8_activation_codes import DEFAULT_TILE, quantize_with_appended_codes
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.core.acceleration.quantization.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
@@ -68,7 +69,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _round_to_e4m3_grid
+    from worldfoundry.core.acceleration.kernels.w4f8_activation_codes import store_appended_codes
     from worldfoundry.core.acceleration.kernels.w4f8_gemm import codes_down_projection
 
     @triton.jit
@@ -98,19 +99,8 @@ if TRITON_AVAILABLE:
         ``[a_h | a_t | a_h / 16]`` into ``A[:, K:K + 3r]``."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        r = tl.arange(0, RANK)
         acc = codes_down_projection(a_ptr, rows, rmask, stride_a, d_ptr, K, RANK, BLOCK_M, BLOCK_K, WIDEN)
-        a = acc / tl.load(alpha_ptr + r)[None, :]
-        a = tl.minimum(tl.maximum(a, -448.0), 448.0)
-        # both codes rounded onto the e4m3 grid in float32 bit arithmetic, so the casts are exact (an fp8 -> fp32
-        # read-back of the head gave wrong tails on sm_90)
-        head = _round_to_e4m3_grid(a)
-        tail = _round_to_e4m3_grid(a - head)
-        base = a_ptr + rows64[:, None] * stride_a + K + r[None, :]
-        tl.store(base, head.to(tl.float8e4nv), mask=rmask[:, None])
-        tl.store(base + RANK, tail.to(tl.float8e4nv), mask=rmask[:, None])
-        tl.store(base + 2 * RANK, _round_to_e4m3_grid(head * 0.0625).to(tl.float8e4nv), mask=rmask[:, None])
+        store_appended_codes(a_ptr, rows.to(tl.int64), rmask, stride_a, K, acc, alpha_ptr, RANK)
 
 
 @dataclass(frozen=True)
@@ -220,19 +210,28 @@ def weight_operand(weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_n: int
 
 
 def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, *, block_m: int = 64,
-                       block_k: int = 128, held_smoothing: bool = True,
-                       **quant: object) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_k: int = 128, held_smoothing: bool = True, one_launch: bool = False,
+                       one_launch_tile: tuple[int, int, int] | None = None,
+                       **quant: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A = [q_x | a_h | a_t | a_h / 16], s_x)``: FP8 codes of ``x / λ`` (two launches: the quantizer, then the
     appended low-rank codes computed from those codes, ``a = (q_x @ D̂.T) / α``).
 
     ``quant`` goes to the quantizer (e.g. ``activation`` and ``constants`` for a fused GELU producer, whose input
     ``x2d`` is then the pre-activation). With smoothing the quantizer is
     :func:`~worldfoundry.core.acceleration.kernels.fp8_smoothed_quant.triton_quantize_smoothed_fp8` (the vector
-    held in registers; ``held_smoothing=False``: the rowwise kernel, same bytes).
+    held in registers; ``held_smoothing=False``: the rowwise kernel, same bytes). ``one_launch`` (rank > 0):
+    codes and appended codes in one launch
+    (:func:`~worldfoundry.core.acceleration.kernels.w4f8_activation_codes.quantize_with_appended_codes`, tile
+    ``one_launch_tile``), the same codes and scales.
     """
     m, k = x2d.shape
     a = torch.empty((m, k + prep.extra), dtype=FP8_DTYPE, device=x2d.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
+    if one_launch and prep.rank:
+        tile = one_launch_tile or DEFAULT_TILE
+        quantize_with_appended_codes(x2d, prep.down_hat, prep.alpha, a, scale, inv_smooth=weight.inv_smooth,
+                                     tile=tile, **quant)
+        return a, scale
     if weight.inv_smooth is not None and held_smoothing:
         triton_quantize_smoothed_fp8(x2d, weight.inv_smooth, q_out=a, scale_out=scale, **quant)
     else:
@@ -248,7 +247,8 @@ def activation_operand(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMM
 
 def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeight, bias: torch.Tensor | None,
                    *, use_fast_accum: bool = True,
-                   activation_operand_pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   activation_operand_pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   one_launch: bool = False) -> torch.Tensor:
     """The per-channel W4F8 Linear ``[M, K] -> [M, N]`` (bfloat16 out) on ``torch._scaled_mm``.
 
     Args:
@@ -257,8 +257,9 @@ def scaled_mm_w4f8(x2d: torch.Tensor, weight: SVDQuantWeight, prep: ScaledMMWeig
         bias: optional ``[N]`` (bfloat16 is fused into the GEMM).
         use_fast_accum: ``torch._scaled_mm``'s fast accumulation.
         activation_operand_pair: a precomputed :func:`activation_operand` (fused producers).
+        one_launch: build the activation operand in one launch (:func:`activation_operand`).
     """
-    a, scale = activation_operand_pair or activation_operand(x2d, weight, prep)
+    a, scale = activation_operand_pair or activation_operand(x2d, weight, prep, one_launch=one_launch)
     b = weight_operand(weight, prep)
     fused_bias = bias if bias is not None and bias.dtype == torch.bfloat16 else None
     out = torch._scaled_mm(a, b.t(), scale_a=scale, scale_b=prep.scale_b, bias=fused_bias,
