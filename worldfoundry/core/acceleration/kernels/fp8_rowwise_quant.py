@@ -174,6 +174,20 @@ if TRITON_AVAILABLE:
         return clipped
 
     @triton.jit
+    def row_scales(x_rows, row_mask, K, c0, c1, fp8_max, amax_floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+                   smooth_ptr=None, HAS_SMOOTH: tl.constexpr = False):
+        """One pass over the rows in ``BLOCK_K`` columns: ``(scale, 1 / scale)`` per row, ``scale = max|v| / 448``
+        of the (activated, smoothed) values, floored."""
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
+                                  SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
+        return scale, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
+
+    @triton.jit
     def _fp8_rowwise_quant_kernel(
         x_ptr, q_ptr, scale_ptr, clip_ptr, act_ptr,
         M, K, stride_xm, stride_qm, stride_am,
@@ -213,13 +227,8 @@ if TRITON_AVAILABLE:
                 clipped += _store_rows(v2, inv, q_rows, a_rows, k2, m2, fp8_max, clip_threshold, COUNT_CLIPS,
                                        STORE_ACTIVATION, SOFTWARE_ROUNDING)
         else:
-            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k_start in range(0, K, BLOCK_K):
-                v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
-                                      SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
-                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-            scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
-            inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
+            scale, inv = row_scales(x_rows, row_mask, K, c0, c1, fp8_max, amax_floor, BLOCK_M, BLOCK_K, ACTIVATION,
+                                    PORTABLE_MATH, SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
             clipped = tl.zeros([BLOCK_M], dtype=tl.int32)
             for k_start in range(0, K, BLOCK_K):  # second read (L2); the activation is recomputed
                 v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,

@@ -32,7 +32,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _load_rows, _round_to_e4m3_grid
+    from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import _load_rows, _round_to_e4m3_grid, row_scales
     from worldfoundry.core.acceleration.kernels.w4a8_tiles import _widen
 
     @triton.jit
@@ -61,13 +61,8 @@ if TRITON_AVAILABLE:
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * stride_xm
         a_rows = a_ptr + rows64[:, None] * stride_a
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            v, m, kk = _load_rows(x_rows, row_mask, k_start, K, c0, c1, BLOCK_K, ACTIVATION, PORTABLE_MATH,
-                                  SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        scale = tl.div_rn(tl.maximum(amax, amax_floor), fp8_max)
-        inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
+        scale, inv = row_scales(x_rows, row_mask, K, c0, c1, fp8_max, amax_floor, BLOCK_M, BLOCK_K, ACTIVATION,
+                                PORTABLE_MATH, SOFTWARE_ROUNDING, smooth_ptr, HAS_SMOOTH)
         r = tl.arange(0, RANK)
         acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):  # second read; the activation is recomputed
