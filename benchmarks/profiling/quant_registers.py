@@ -4,7 +4,8 @@ Runs on a machine without a GPU: Triton compiles each kernel for ``GPUTarget("cu
 and pointer arguments specialised as divisible by 16 (as a launch with the W81 shapes specialises them), and its
 bundled ``ptxas -v`` reports registers and spills. Printed per variant: global loads / stores in the PTX (how many
 are vector instructions), registers per thread, spill bytes -- the occupancy side of the question why smoothing
-costs the 8,960-wide ``ffn.2`` rows time.
+costs the 8,960-wide ``ffn.2`` rows time. The one-launch W4F8 activation operand (``w4f8_activation_codes``) is
+compiled the same way at a few tiles.
 
 Usage::
 
@@ -27,6 +28,7 @@ from triton.compiler import ASTSource
 
 from worldfoundry.core.acceleration.kernels import fp8_rowwise_quant as rowwise
 from worldfoundry.core.acceleration.kernels import fp8_smoothed_quant as held
+from worldfoundry.core.acceleration.kernels import w4f8_activation_codes as one
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -85,6 +87,21 @@ def held_variant(k: int, activation: int, warps: int, rows: int = 62) -> str:
     return _stats(_compile(held._smoothed_fp8_kernel, sig, consts, divisible, warps))
 
 
+def one_launch_variant(activation: int, smooth: bool, tile: tuple[int, int, int], rank: int = 32) -> str:
+    """The one-launch W4F8 activation operand (codes + appended low-rank codes, ``tl.dot``) at ``tile``."""
+    block_m, block_k, warps = tile
+    sig = {"x_ptr": "*bf16", "a_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "d_ptr": "*bf16", "alpha_ptr": "*fp32",
+           "M": "i32", "K": "i32", "stride_xm": "i32", "stride_a": "i32", "fp8_max": "fp32", "amax_floor": "fp32",
+           "c0": "fp32", "c1": "fp32"}
+    consts: dict[str, Any] = {"RANK": rank, "BLOCK_M": block_m, "BLOCK_K": block_k, "ACTIVATION": activation,
+                              "PORTABLE_MATH": False, "SOFTWARE_ROUNDING": False, "HAS_SMOOTH": smooth,
+                              "WIDEN": False}
+    sig.update({name: "constexpr" for name in consts})
+    sig["smooth_ptr"] = "*fp32"
+    divisible = ("x_ptr", "a_ptr", "scale_ptr", "d_ptr", "alpha_ptr", "smooth_ptr", "K", "stride_xm", "stride_a")
+    return _stats(_compile(one._quant_appended_kernel, sig, consts, divisible, warps))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--k", type=int, default=8960)
@@ -96,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{rowwise_variant(args.k, smooth, activation, warps)}")
         for warps in (4, 8, 16):
             print(f"held    {name:5s} smooth=True  rows loop, {warps:2d} warps: {held_variant(args.k, activation, warps)}")
+        for smooth in (False, True):
+            for tile in ((16, 128, 4), (32, 128, 4), (64, 128, 8)):
+                print(f"one-launch operand {name:5s} smooth={smooth!s:5s} {tile[0]}x{tile[1]}, {tile[2]} warps: "
+                      f"{one_launch_variant(activation, smooth, tile)}")
     return 0
 
 
