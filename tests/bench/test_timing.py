@@ -6,6 +6,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worldfoundry.bench.stats import decide
 from worldfoundry.bench.timing import (
@@ -178,13 +180,36 @@ def test_switching_pairs_keep_the_cost_of_a_switch_out_of_both_arms(start) -> No
                           TimingPolicy(min_rounds=5, max_rounds=5), clock=_fake_clock(0.0))
     assert out["dense_s"] == [2.0] * 5 and out["candidate_s"] == [1.0] * 5 and out["speedup"] == 2.0
     timed = [(arm, seed) for kind, arm, seed in model.log if kind == "timed"]
-    # ABBA: dense first in even rounds, the candidate first in odd ones; the seed cycles per round
-    assert timed == [("dense", 42), ("candidate", 42), ("candidate", 43), ("dense", 43), ("dense", 42),
-                     ("candidate", 42), ("candidate", 43), ("dense", 43), ("dense", 42), ("candidate", 42)]
-    # one switch per round (plus the first one when the model started on the candidate), each warmed once
-    assert out["warmups"] == 5 + (start == "candidate")
+    # blocks of two rounds, the first side alternating per block; the seed cycles per round; the last block is cut
+    # at max_rounds
+    assert timed == [("dense", 42), ("dense", 43), ("candidate", 42), ("candidate", 43),
+                     ("candidate", 42), ("candidate", 43), ("dense", 42), ("dense", 43),
+                     ("dense", 42), ("candidate", 42)]
+    # one switch per block (plus the first one when the model started on the candidate), each warmed once
+    assert out["warmups"] == 3 + (start == "candidate") and out["switch_block"] == 2
     warms = [i for i, entry in enumerate(model.log) if entry[0] == "warm"]
     assert all(model.log[i + 1][:2] == ("timed", model.log[i][1]) for i in warms)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rounds=st.integers(3, 12), block=st.integers(1, 4), n_seeds=st.integers(1, 3))
+def test_switching_pairs_pair_each_round_on_one_seed(rounds, block, n_seeds) -> None:
+    """Every round pairs both sides on the same seed, each side runs each round once, no round is left out."""
+    from worldfoundry.bench.timing import Timed, switching_pairs
+
+    model = _SharedModel()
+    seeds = [42 + i for i in range(n_seeds)]
+
+    def arm(name: str, seconds: float):
+        base = model.arm(name, seconds)
+        return base.__class__(base.activate, lambda r, seed: Timed(base.timed(r, seed), (1.0,), (r, seed)),
+                              base.warm)
+
+    out = switching_pairs(arm("dense", 2.0), arm("candidate", 1.0), seeds,
+                          TimingPolicy(min_rounds=rounds, max_rounds=rounds), clock=_fake_clock(0.0), block=block)
+    assert out["rounds"] == rounds
+    assert out["groups"] == [(r, seeds[r % n_seeds]) for r in range(rounds)]
+    assert out["warmups"] <= -(-rounds // block) + 1
 
 
 def test_switching_pairs_without_warmup_would_have_been_biased() -> None:

@@ -8,8 +8,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. The estimate is the
   policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
-* :func:`switching_pairs`: ABBA pairs of two arms that share one model (install/uninstall, apply/undo); after
-  every switch one untimed generation of the switched-to arm runs first, so one-off costs of a switch (a CUDA graph
+* :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
+  blocks of two rounds whose first side alternates; after every switch one untimed generation of the
+  switched-to arm runs first, so one-off costs of a switch (a CUDA graph
   captured again, weights built at the first call, allocator growth) stay out of both arms' timings.
 * :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
   speedup above ``bound * (1 + tolerance)`` is ``invalid_timing``.
@@ -164,13 +165,19 @@ class Arm:
     warm: Callable[[int], Any]
 
 
+#: Rounds per block of :func:`switching_pairs`: one switch (and one warm-up generation) per block.
+SWITCH_BLOCK = 2
+
+
 def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: TimingPolicy, *,
-                    on_round: Callable[[], None] | None = None,
-                    clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
-    """:func:`run_rounds` over ABBA pairs (dense first in even rounds, candidate first in odd ones, so slow drifts
-    favour neither side), the seed cycling per round. An arm whose ``activate`` changed the model runs one untimed
-    ``warm`` generation before its timed one; the count is returned as ``warmups``."""
+                    on_round: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                    block: int = SWITCH_BLOCK) -> dict[str, Any]:
+    """:func:`run_rounds` over blocks of ``block`` rounds: one side's generations of the block, then the other's,
+    the side that goes first alternating per block (``D D C C | C C D D | ...``: slow drifts favour neither side,
+    and the model is switched once per block), the seed cycling per round. An arm whose ``activate`` changed the
+    model runs one untimed ``warm`` generation first; the count is returned as ``warmups``."""
     warmups = [0]
+    done: dict[int, tuple[float | Timed, float | Timed]] = {}
 
     def run(arm: Arm, r: int, seed: int) -> float | Timed:
         if arm.activate():
@@ -179,15 +186,18 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
         return arm.timed(r, seed)
 
     def pair(r: int) -> tuple[float | Timed, float | Timed]:
-        seed = seeds[r % len(seeds)]
-        if r % 2 == 0:
-            d = run(dense, r, seed)
-            return d, run(candidate, r, seed)
-        c = run(candidate, r, seed)
-        return run(dense, r, seed), c
+        if r not in done:
+            first = r // block
+            rounds = range(r, min(r + block, policy.max_rounds))
+            order = (dense, candidate) if first % 2 == 0 else (candidate, dense)
+            got = {id(arm): [run(arm, i, seeds[i % len(seeds)]) for i in rounds] for arm in order}
+            for j, i in enumerate(rounds):
+                done[i] = (got[id(dense)][j], got[id(candidate)][j])
+        return done.pop(r)
 
     out = run_rounds(pair, policy, clock=clock, on_round=on_round)
     out["warmups"] = warmups[0]
+    out["switch_block"] = block
     return out
 
 
