@@ -20,6 +20,7 @@ from typing import Any
 
 from worldfoundry.core.acceleration.options import options_class_of
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.acceleration.spec import PER_EXPERT, expert_options
 from worldfoundry.errors import AccelerationOptionsError, CandidateSchemaError, UnknownAccelerationError
 
 
@@ -127,12 +128,26 @@ def validate_plugin_options(path: str, name: str, options: Mapping[str, Any], re
 
     Raises:
         CandidateSchemaError: unknown acceleration, or options the plugin's options class refuses (any exception
-            it raises is reported with the path, never as a traceback).
+            it raises is reported with the path, never as a traceback); with ``per_expert`` overrides, the options
+            of each named expert are checked too.
     """
     try:
         entry = registry.get(name)
     except UnknownAccelerationError as exc:
         raise CandidateSchemaError(path, str(exc)) from exc  # names the known ones and what to install
+    if PER_EXPERT in options:  # each expert's merged options are checked (the expert names at install)
+        overrides = options[PER_EXPERT]
+        where = f"{path}.{PER_EXPERT}"
+        if not isinstance(overrides, Mapping) or not overrides or not all(
+                isinstance(k, str) and isinstance(v, Mapping) and PER_EXPERT not in v for k, v in overrides.items()):
+            raise CandidateSchemaError(where, "expected a non-empty object expert name -> options object")
+        for label in overrides:
+            _validate_one(f"{where}.{label}", name, expert_options(options, label), entry)
+        options = expert_options(options, "")
+    _validate_one(path, name, options, entry)
+
+
+def _validate_one(path: str, name: str, options: Mapping[str, Any], entry: Any) -> None:
     options_class = getattr(entry, "options", None) or getattr(entry.factory, "options_class", None)
     if options_class is None:
         return

@@ -27,7 +27,12 @@ from worldfoundry.core.acceleration.session import (
 )
 from worldfoundry.core.acceleration.copy_refusal import COPY_REFUSAL, refuse_copies
 from worldfoundry.core.acceleration.snapshot import ModuleTreeSnapshot
-from worldfoundry.core.acceleration.spec import freeze_options, normalize_acceleration_spec
+from worldfoundry.core.acceleration.spec import (
+    check_per_expert,
+    expert_options,
+    freeze_options,
+    normalize_acceleration_spec,
+)
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import (
     AccelerationConflictError,
@@ -177,6 +182,7 @@ def _install_locked(targets: dict[str, nn.Module], normalized: dict[str, dict[st
         if existing is not None:
             raise SessionAlreadyInstalledError(existing.names)
     entries = {name: registry.get(name) for name in normalized}  # unknown names raise here
+    check_per_expert(normalized, list(targets))
     snapshots = {label: ModuleTreeSnapshot(module) for label, module in targets.items()}
     prepared = _prepare_all(targets, normalized, entries, policy, snapshots)
     _check_conflicts(prepared)
@@ -200,7 +206,7 @@ def _prepare_all(targets: Mapping[str, nn.Module], normalized: Mapping[str, dict
     try:
         for name, options in normalized.items():
             for label, module in targets.items():
-                plan = _prepare_one(entries[name].factory, name, module, options, policy)
+                plan = _prepare_one(entries[name].factory, name, module, expert_options(options, label), policy)
                 diffs = snapshots[label].differences()
                 if diffs:
                     raise AccelerationInstallError(
@@ -287,15 +293,21 @@ def _build_receipt(targets: Mapping[str, nn.Module], prepared: list[tuple[str, P
         if plan.name in records:
             continue
         entry = entries[plan.name]
+        mine = [(lab, p) for lab, p in prepared if p.name == plan.name]
+        per_expert = {lab: dict(p.options) for lab, p in mine}
+        exacts = [p.exact for _, p in mine]
         records[plan.name] = PluginInstallRecord(
             name=plan.name,
             options=dict(plan.options),
             claims=tuple(sorted(claims[plan.name])),
             distribution=entry.distribution,
             version=entry.version,
-            exact=plan.exact,
+            # exact only when every expert's plan is (per-expert options can make one approximate)
+            exact=False if False in exacts else (True if all(e is True for e in exacts) else None),
             experts=tuple(experts[plan.name]),
             notes=plan.notes,
+            per_expert_options=per_expert if len({repr(sorted(o.items())) for o in per_expert.values()}) > 1
+            else {},
         )
     first = next(iter(targets.values()))
     return InstallReceipt(tuple(records.values()), type(first).__name__, tuple(targets))

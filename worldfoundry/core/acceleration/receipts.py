@@ -44,9 +44,11 @@ class PluginInstallRecord:
     exact: bool | None
     experts: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    #: the options each expert's factory received, when ``per_expert`` overrides made them differ (else empty).
+    per_expert_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "options": jsonable(self.options),
             "claims": list(self.claims),
@@ -56,6 +58,9 @@ class PluginInstallRecord:
             "experts": list(self.experts),
             "notes": list(self.notes),
         }
+        if self.per_expert_options:
+            out["per_expert_options"] = {k: jsonable(v) for k, v in self.per_expert_options.items()}
+        return out
 
 
 @dataclass(frozen=True)
