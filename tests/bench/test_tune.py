@@ -89,3 +89,24 @@ def test_tune_and_bench_pass_the_estimator_on(given) -> None:
     assert b.parse_args(given).estimator == expected
     with pytest.raises(SystemExit):
         b.parse_args(["--estimator", "mean"])
+
+
+def test_a_routed_recipe_is_tuned_expert_by_expert(tmp_path: Path) -> None:
+    from worldfoundry.bench.tune_experts import recipe_experts
+
+    assert recipe_experts("tiny-wan2.2-a14b") == ("high", "low") and recipe_experts("tiny-wan2.1") == ("model",)
+    trace = run_tune(TuneConfig(model="tiny-wan2.2-a14b", budget={"latent_rel_l2": 0.15, "psnr_db": 20.0,
+                                                                  "min_ssim": 0.5},
+                                space={"easycache": {"threshold": [0.05, 0.5], "warmup_steps": [1], "grid": 2}},
+                                out=str(tmp_path / "t"), refine=0, survivors=1, time_budget_s=1.0, progress=False))
+    passes = {p["pass"]: p for p in trace["passes"]}
+    alone = passes["experts"]["rows"]
+    # each expert's grid with the other expert at threshold 0
+    assert sorted(r["name"] for r in alone) == ["ec0w1@high=0.05", "ec0w1@high=0.5", "ec0w1@low=0.05",
+                                                "ec0w1@low=0.5"]
+    for row in alone:
+        per = row["accelerations"]["easycache"]["per_expert"]
+        assert row["accelerations"]["easycache"]["threshold"] == 0.0 and len(per) == 1
+    combined = passes.get("experts-combined", {"rows": []})["rows"]
+    assert all(set(r["accelerations"]["easycache"]["per_expert"]) == {"high", "low"} for r in combined)
+    assert all(r["verdict"] == "quality_only" for r in alone + combined)

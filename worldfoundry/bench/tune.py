@@ -162,7 +162,8 @@ def _name(spec: dict[str, dict[str, Any]]) -> str:
     parts = []
     for plugin, opts in spec.items():
         if plugin == CACHE_PLUGIN:
-            parts.append(f"ec{opts['threshold']:g}w{opts['warmup_steps']}")
+            per = ",".join(f"{label}={o['threshold']:g}" for label, o in (opts.get("per_expert") or {}).items())
+            parts.append(f"ec{opts['threshold']:g}w{opts['warmup_steps']}" + (f"@{per}" if per else ""))
         else:
             parts.append("-".join([plugin, *_option_tokens(opts)]))
     name = re.sub(r"[^A-Za-z0-9._+=@,:\-]", "_", "+".join(parts))
@@ -304,12 +305,16 @@ def run_tune(config: TuneConfig, *, registry: AccelerationRegistry | None = None
     space, left_out = usable_space(_check_space(config.space or DEFAULT_SPACE), registry, config.device)
     search = _Search(config, registry)
     search.out.mkdir(parents=True, exist_ok=True)
-    total = 1 + (config.refine if CACHE_PLUGIN in space else 0) + 2
+    from worldfoundry.bench.tune_experts import per_expert_pass, recipe_experts
+
+    routed = CACHE_PLUGIN in space and len(recipe_experts(config.model or DEFAULT_MODEL)) > 1
+    total = 1 + (config.refine if CACHE_PLUGIN in space else 0) + 2 + (2 if routed else 0)
     search.bar = tqdm(total=total, desc="tune", disable=not config.progress)
     try:
         caches, others = _coarse(search, space) if space else ([], [])
         if CACHE_PLUGIN in space:
             caches = _refine(search, space[CACHE_PLUGIN], caches)
+            caches += per_expert_pass(search, space[CACHE_PLUGIN], recipe_experts(search.model))
         specs = _survivors(search, caches, others)
         timed = search.bench("timing", specs, timed=True) if specs else []
     finally:
