@@ -73,7 +73,7 @@ def normalize_acceleration_spec(spec: Any, *, where: str = "accelerations") -> d
     return out
 
 
-#: Options key of per-expert overrides: ``{"easycache": {"threshold": 0.05, "per_expert": {"low": {"threshold":
+#: Options key of per-expert overrides: ``{"some_cache": {"threshold": 0.05, "per_expert": {"low": {"threshold":
 #: 0.1}}}}`` -- each expert of a routed denoiser gets the options with its overrides merged over them.
 PER_EXPERT: Final = "per_expert"
 
