@@ -92,3 +92,18 @@ def test_summarize_speed_names_its_estimator_and_keeps_both() -> None:
     assert paired["speedup"] == paired["paired_median"] and "estimator_note" not in paired
     with pytest.raises(ValueError, match="estimator"):
         summarize_speed([1.0], [1.0], estimator="mean")
+
+
+def test_reestimate_script_reads_a_committed_run(capsys) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("reestimate", root / "benchmarks" / "bench" / "reestimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(root / "benchmarks/results/h200-2026-12-01d/w17/w17a_results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "no per-step times recorded" in out.splitlines()[1]  # that run kept no control steps
+    row = next(line for line in out.splitlines() if line.startswith("block-fusion+cuda-graph "))
+    assert "1.430 [1.362, 1.526]" in row and "1.474" in row
