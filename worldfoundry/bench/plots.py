@@ -85,7 +85,8 @@ def speedup_plot(results: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=35, ha="right", fontsize=8)
     ax.set_ylim(0, max(1.2, top * 1.25))
     ax.set_ylabel("speedup vs dense (estimate, 95% CI)")
-    title = f"{results['model']}: paired speedup of the denoise loop"
+    estimator = (results.get("timing_policy") or {}).get("estimator", "step_floor").replace("_", " ")
+    title = f"{results['model']}: speedup of the denoise loop ({estimator})"
     if results.get("noisy_host"):
         title += "\nNOISY HOST: no speed verdicts"
     ax.set_title(title, fontsize=10)
