@@ -20,7 +20,7 @@ section):
    the 60 FFN Linears (``blocks.*.ffn.0`` / ``ffn.2``; artifact calibrated here on random inputs at W17, rank 32,
    grouping ``--forward-mode`` (default per channel), randomized SVD, ``keep_original: cpu``), one model per
    ``--forward-variants`` entry (``smoothed``; ``unsmoothed-ffn2``: ``ffn.2`` calibrated without smoothing;
-   ``unsmoothed``: both), all timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
+   ``unsmoothed``: both; the ``-one-launch`` variants add ``one_launch_operand: true``), all timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
    receipts (kernels run, no fallback), device bytes, exact restore after uninstall.
 3. ``memory_14b``: Wan2.1-T2V-14B architecture (40 layers, dim 5120, 40 heads, FFN 13,824; random weights
    built directly on the GPU in bf16): device memory of the DiT with and without the plugin on the 80 FFN
@@ -328,7 +328,11 @@ def calibrate_random(model: nn.Module, inputs: dict[str, Any], out: Path, *, gro
 
 #: ``--forward-variants``: which Linears are calibrated without smoothing in each W81 forward variant.
 FORWARD_VARIANTS: dict[str, tuple[str, ...]] = {
-    "smoothed": (), "unsmoothed-ffn2": ("blocks.*.ffn.2",), "unsmoothed": INCLUDE}
+    "smoothed": (), "unsmoothed-ffn2": ("blocks.*.ffn.2",), "unsmoothed": INCLUDE,
+    "unsmoothed-ffn2-one-launch": ("blocks.*.ffn.2",), "unsmoothed-one-launch": INCLUDE}
+#: plugin options beyond the artifact per variant (the others take the defaults)
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
+    "unsmoothed-ffn2-one-launch": {"one_launch_operand": True}, "unsmoothed-one-launch": {"one_launch_operand": True}}
 
 
 def _group(device: torch.device, args: argparse.Namespace) -> int:
@@ -340,8 +344,8 @@ def _infer(model: nn.Module, inputs: dict[str, Any]) -> Any:
         return model(**inputs)
 
 
-def _install(model: nn.Module, artifact: Path, keep: str) -> Any:
-    spec = {"svdquant": {"artifact": str(artifact), "keep_original": keep}}
+def _install(model: nn.Module, artifact: Path, keep: str, **options: Any) -> Any:
+    spec = {"svdquant": {"artifact": str(artifact), "keep_original": keep, **options}}
     return install_diffusion_accelerations(model, spec, RuntimePolicy(device=next(model.parameters()).device.type))
 
 
@@ -369,13 +373,14 @@ def _forward_variant(dense: nn.Module, name: str, device: torch.device, args: ar
     model = copy.deepcopy(dense)
     torch.cuda.empty_cache() if device.type == "cuda" else None
     alloc_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    session = _install(model, artifact, "cpu")
+    session = _install(model, artifact, "cpu", **VARIANT_OPTIONS.get(name, {}))
     alloc_after = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     proof = _proof(session, model, inputs, f"w81-proof-{name}")
     with torch.inference_mode():
         out = model(**inputs)[0].float()
     report = session.execution_report()["plugins"]["svdquant"]["model"]["svdquant"]
     return model, session, {"artifact": str(artifact), "unsmoothed": list(FORWARD_VARIANTS[name]),
+                            "options": VARIANT_OPTIONS.get(name, {}),
                             "latent_rel_l2_vs_dense": rel_l2(out, ref), "execution_proof": proof,
                             "memory_report": report["memory"],
                             "device_allocated_delta_on_install_bytes": alloc_after - alloc_before}
