@@ -57,6 +57,8 @@ def main() -> int:
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--runs", default="a,b", help="which runs to make here: a (with peers), b, or a,b")
     p.add_argument("--previous", default=None, help="an earlier w17_stability.json whose runs are kept")
+    p.add_argument("--no-peers", action="store_true", help="run A without the peer rows (both runs then time "
+                                                            "the same candidates only)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -66,18 +68,20 @@ def main() -> int:
     summary: dict[str, Any] = {"candidates": {}, "peers": [], "runs": {}}
     if args.previous:
         summary = json.loads(Path(args.previous).read_text(encoding="utf-8"))
-    a = one_run("w17a", out, args, ["eager", "compile", "fbcache", "dbcache", "float8"]) if "a" in runs else None
+    peers = None if args.no_peers else ["eager", "compile", "fbcache", "dbcache", "float8"]
+    a = one_run("w17a", out, args, peers) if "a" in runs else None
     b = one_run("w17b", out, args, None) if "b" in runs else None
-    if a:
+    if a and peers:
         summary["peers"] = []
     for tag, res in (("a", a), ("b", b)):
         if res:
             summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
+                                    "decision_threshold": res.get("decision_threshold"),
                                     "control_halfwidth": res["dense"]["control"].get("halfwidth"),
                                     "wall_s": res["wall_s"]}
             for c in res["candidates"]:
                 summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
-    if a:
+    if a and peers:
         for peer in a.get("peers", []):
             sp = peer.get("speed") or {}
             summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worldfoundry.bench.stats import decide
+from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     LoopTimer,
     TimingPolicy,
@@ -19,6 +19,7 @@ from worldfoundry.bench.timing import (
     noisy_host,
     run_rounds,
     speed_bound,
+    undecided,
 )
 
 
@@ -45,6 +46,51 @@ def test_time_budget_stops_adding_rounds() -> None:
     out = run_rounds(lambda r: noisy[r], TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0),
                      clock=_fake_clock(1.0))
     assert out["stopped"] == "budget" and 3 <= out["rounds"] < 30
+
+
+def test_an_undecided_candidate_gets_rounds_past_the_budget() -> None:
+    # ratios 0.9 / 1.2 alternate: the CI straddles a threshold of 1.02 for as long as the rounds go on
+    noisy = [(1.0, 1 / 0.9), (1.0, 1 / 1.2)] * 20
+    base = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, estimator="paired_median")
+    plain = run_rounds(lambda r: noisy[r], base, clock=_fake_clock(1.0))
+    extended = run_rounds(lambda r: noisy[r], TimingPolicy(**{**base.__dict__, "threshold": 1.02}),
+                          clock=_fake_clock(1.0))
+    assert plain["stopped"] == "budget" and plain["extended"] == 0
+    assert extended["stopped"] == "budget" and extended["rounds"] > plain["rounds"]
+    assert extended["extended"] == extended["rounds"] - plain["rounds"]
+    # never past extend_factor x the budget: the clock is read once per round from the third round on, so 8
+    # ticks of this 1-second clock are rounds 3..10
+    assert extended["rounds"] == 10
+
+
+def test_a_decided_candidate_is_not_extended() -> None:
+    clearly_faster = [(1.0, 0.5), (1.0, 0.45)] * 20
+    policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median")
+    out = run_rounds(lambda r: clearly_faster[r], policy, clock=_fake_clock(1.0))
+    assert out["extended"] == 0 and out["stopped"] == "budget"
+
+
+@pytest.mark.parametrize(("ci", "threshold", "expected"), [
+    ((0.98, 1.05), 1.02, True), ((1.03, 1.05), 1.02, False), ((0.9, 1.01), 1.02, False), ((0.9, 1.1), None, False),
+    ((float("nan"), 1.1), 1.02, False), ((1.02, 1.1), 1.02, True)])
+def test_undecided(ci, threshold, expected) -> None:
+    assert undecided({"ci95": list(ci)}, threshold) is expected
+
+
+def test_extend_factor_is_validated() -> None:
+    with pytest.raises(ValueError, match="extend_factor"):
+        TimingPolicy(extend_factor=0.5)
+
+
+def test_min_gain_sets_the_threshold_of_recommended() -> None:
+    assert decision_threshold(1.004, 0.02) == pytest.approx(1.02)
+    assert decision_threshold(1.05, 0.02) == pytest.approx(1.05)
+    assert decision_threshold(1.0, -0.1) == 1.0
+    base = dict(installed=True, finite=True, executed=True, exact_ok=True, timing_ok=True, quality_ok=True,
+                speed={"ci95": [1.015, 1.15], "speedup": 1.03}, gpu_shared=False, noise_floor=1.004)
+    assert decide(**base) == "recommended"  # no minimum gain: above the noise floor is enough
+    assert decide(**base, min_gain=0.02) == "no_stable_gain"  # a gain the 2 % timing cannot resolve
+    assert decide(**{**base, "speed": {"ci95": [1.021, 1.15], "speedup": 1.08}}, min_gain=0.02) == "recommended"
 
 
 def test_rounds_added_until_the_ci_narrows() -> None:

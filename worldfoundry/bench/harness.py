@@ -27,7 +27,7 @@ from worldfoundry.bench.provenance import (
     tree_stats,
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
-from worldfoundry.bench.stats import decide
+from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     Arm,
     Timed,
@@ -81,6 +81,9 @@ class BenchConfig:
     max_rounds: int | None = None
     time_budget_s: float = 60.0
     max_noise_floor: float = 1.05
+    #: the smallest gain a ``recommended`` verdict asserts (its CI lower bound above ``1 + min_gain``); ``None``:
+    #: the target half-width (a gain finer than the timing resolves is not called stable)
+    min_gain: float | None = None
     #: ``step_floor`` or ``paired_median`` (:func:`~worldfoundry.bench.stats.summarize_speed`).
     estimator: str = "step_floor"
     peers: list[str] | None = None
@@ -146,6 +149,8 @@ def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = N
     rounds = int(config.rounds or cfile.rounds or 3)
     if not config.quality_only and not 3 <= rounds <= 10_000:
         raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
+    if config.min_gain is not None and not 0.0 <= config.min_gain < 1.0:
+        raise BenchArgumentError(f"--min-gain: expected a fraction in [0, 1) (0.02 = 2 %), got {config.min_gain}")
     return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds, unavailable)
 
 
@@ -239,6 +244,12 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
             tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
             results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
     results["noise_floor"] = noise_floor
+    min_gain = _min_gain(config)
+    results["min_gain"] = min_gain
+    results["decision_threshold"] = decision_threshold(noise_floor, min_gain)
+    if not config.quality_only:
+        tpolicy = replace(tpolicy, threshold=results["decision_threshold"])
+        results["timing_policy"]["threshold"] = tpolicy.threshold
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
     for cand in cfile.candidates:
@@ -247,7 +258,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if config.peers and not config.quality_only:
         from worldfoundry.bench.peers import run_peers
 
-        results["peers"] = run_peers(config.peers, runner, dense, seeds, tpolicy)
+        # reference rows get no verdict, so no extension of undecided rounds either
+        results["peers"] = run_peers(config.peers, runner, dense, seeds, replace(tpolicy, threshold=None))
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
@@ -255,6 +267,10 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+def _min_gain(config: BenchConfig) -> float:
+    return config.target_halfwidth if config.min_gain is None else config.min_gain
 
 
 def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> TimingPolicy:
@@ -341,7 +357,7 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         record["verdict"] = decide(installed=True, finite=worst["finite"], executed=executed, exact_ok=exact_ok,
                                    timing_ok=not mismatches, quality_ok=all(checks.values()), speed=speed,
                                    gpu_shared=monitor.shared, noise_floor=noise_floor, bound_ok=violation is None,
-                                   noisy=config.extra.get("_noisy", False))
+                                   noisy=config.extra.get("_noisy", False), min_gain=_min_gain(config))
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
         record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",

@@ -87,10 +87,12 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         render_table(results),
         "",
         *_peer_lines(results),
-        "Speedup = dense time / candidate time of the denoising loop, per interleaved pair; median and 95% "
-        "bootstrap CI over pairs. `recommended` needs quality within budget and a CI lower bound above the noise "
-        f"floor ({_fmt(results.get('noise_floor'), 4)}: the upper CI bound of dense-vs-dense control pairs "
-        "timed the same way, at least 1).",
+        "Speedup = dense time / candidate time of the denoising loop over interleaved paired rounds (the "
+        "estimator of each row is in results.json: by default the step floor, per-step minima over rounds, with a "
+        "paired bootstrap CI). `recommended` needs quality within budget and a CI lower bound above "
+        f"{_fmt(results.get('decision_threshold', results.get('noise_floor')), 4)}: the larger of the noise floor "
+        f"({_fmt(results.get('noise_floor'), 4)}, the upper CI bound of dense-vs-dense control pairs timed the "
+        f"same way, at least 1) and 1 + the minimum gain ({_fmt(results.get('min_gain'), 3)}).",
         "",
     ]
     for c in results["candidates"]:
@@ -133,7 +135,9 @@ def _timing_line(results: dict[str, Any]) -> str:
     return (f"adaptive rounds {tp['min_rounds']}–{tp['max_rounds']} until the CI half-width ≤ "
             f"{tp['target_halfwidth']:.1%} or {tp['budget_s']:.0f} s per candidate; denoise loop timed with "
             f"{'CUDA events' if results.get('environment', {}).get('device') == 'cuda' else 'perf_counter'}; "
-            f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']})"
+            f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']}); "
+            f"a candidate whose CI straddles {_fmt(tp.get('threshold'), 4)} gets rounds up to "
+            f"{tp.get('extend_factor', 1):g}x the budget"
             + (f"; garbage collector {tp['gc']}" if tp.get("gc") else ""))
 
 

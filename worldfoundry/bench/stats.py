@@ -83,9 +83,11 @@ def summarize_speed(dense_s: list[float], cand_s: list[float], *, steps: dict[st
 
 def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, timing_ok: bool,
            quality_ok: bool, speed: dict[str, Any] | None, gpu_shared: bool, noise_floor: float = 1.0,
-           bound_ok: bool = True, noisy: bool = False) -> str:
-    """The verdict, invalid states first. ``recommended`` needs the speedup CI's lower bound above both 1 and
-    ``noise_floor`` (the upper CI bound of dense-vs-dense control pairs measured in the same run).
+           bound_ok: bool = True, noisy: bool = False, min_gain: float = 0.0) -> str:
+    """The verdict, invalid states first. ``recommended`` needs the speedup CI's lower bound above
+    :func:`decision_threshold`: both ``1 + min_gain`` (the smallest gain worth a verdict; the bench uses its target
+    CI half-width, so a gain finer than the timing resolves is not called stable) and ``noise_floor`` (the upper CI
+    bound of dense-vs-dense control pairs measured in the same run).
 
     ``bound_ok=False`` (a speedup above what the receipts allow) gives ``invalid_timing``; ``noisy=True`` (the
     noise floor above the threshold) gives ``noisy_host`` instead of any speed verdict."""
@@ -109,4 +111,9 @@ def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, tim
         return "measured_quality_tradeoff"
     if noisy:
         return "noisy_host"
-    return "recommended" if speed["ci95"][0] > max(1.0, noise_floor) else "no_stable_gain"
+    return "recommended" if speed["ci95"][0] > decision_threshold(noise_floor, min_gain) else "no_stable_gain"
+
+
+def decision_threshold(noise_floor: float, min_gain: float) -> float:
+    """The value a speedup CI's lower bound must exceed for ``recommended``: ``max(1 + min_gain, noise_floor)``."""
+    return max(1.0 + max(0.0, min_gain), noise_floor)

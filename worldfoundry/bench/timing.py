@@ -5,7 +5,10 @@ bound on each candidate's speedup, and the noisy-host rule.
   denoiser's ``prepare_request_schedule`` (the loop starts right after it) and ``end_request`` (right after the
   last step). Text encoding (``encode_s``) and decoding (``decode_s``) stay separate in the pipeline's timings.
 * :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the speedup is at most
-  ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. The estimate is the
+  ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. A candidate whose CI
+  still straddles the policy's ``threshold`` (the value its lower bound must exceed for ``recommended``) when
+  ``budget_s`` ends gets more rounds, up to ``extend_factor * budget_s``: time goes where the verdict is
+  undecided, not to candidates that are clearly slower or clearly faster. The estimate is the
   policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
@@ -40,6 +43,8 @@ DEFAULT_TARGET_HALFWIDTH = 0.02
 DEFAULT_MAX_NOISE_FLOOR = 1.05
 #: Slack above the receipts-derived bound before a speedup is called impossible.
 DEFAULT_BOUND_TOLERANCE = 0.05
+#: Budget multiple an undecided candidate (CI straddling the threshold) may use.
+DEFAULT_EXTEND_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class TimingPolicy:
         max_noise_floor: control CI upper bound above which the host is declared noisy.
         bound_tolerance: relative slack over the receipts bound.
         estimator: ``step_floor`` (default) or ``paired_median`` (see :func:`~worldfoundry.bench.stats.summarize_speed`).
+        threshold: the decision threshold of the run (``None`` before the control pairs set it): a CI that
+            straddles it when ``budget_s`` ends is undecided and gets more rounds.
+        extend_factor: the budget multiple an undecided candidate may use (1 = never extended).
     """
 
     min_rounds: int = 3
@@ -63,6 +71,8 @@ class TimingPolicy:
     max_noise_floor: float = DEFAULT_MAX_NOISE_FLOOR
     bound_tolerance: float = DEFAULT_BOUND_TOLERANCE
     estimator: str = DEFAULT_ESTIMATOR
+    threshold: float | None = None
+    extend_factor: float = DEFAULT_EXTEND_FACTOR
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -75,6 +85,8 @@ class TimingPolicy:
             raise ValueError(f"target_halfwidth: must be > 0, got {self.target_halfwidth}")
         if not self.budget_s > 0:
             raise ValueError(f"budget_s: must be > 0, got {self.budget_s}")
+        if not self.extend_factor >= 1:
+            raise ValueError(f"extend_factor: must be >= 1, got {self.extend_factor}")
 
 
 def ci_halfwidth(summary: Mapping[str, Any]) -> float:
@@ -84,6 +96,14 @@ def ci_halfwidth(summary: Mapping[str, Any]) -> float:
     if not estimate or estimate != estimate or low != low or high != high:
         return float("inf")
     return (high - low) / 2.0 / estimate
+
+
+def undecided(summary: Mapping[str, Any], threshold: float | None) -> bool:
+    """Whether the CI straddles ``threshold`` (lower bound at or below it, upper bound above it)."""
+    if threshold is None:
+        return False
+    low, high = summary["ci95"]
+    return bool(low == low and high == high and low <= threshold < high)
 
 
 @dataclass(frozen=True)
@@ -112,13 +132,15 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
 
     Returns:
         :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
-        (``"target"``, ``"max_rounds"`` or ``"budget"``) and the samples' ``steps_s`` and ``groups``.
+        (``"target"``, ``"max_rounds"`` or ``"budget"``; an undecided candidate stops at ``extend_factor`` times
+        the budget), ``extended`` (rounds run past ``budget_s``) and the samples' ``steps_s`` and ``groups``.
     """
     dense: list[Timed] = []
     cand: list[Timed] = []
     start = clock()
     stopped = "max_rounds"
     summary: dict[str, Any] = {}
+    extended = 0
 
     def summarize() -> dict[str, Any]:
         steps = {"dense": [list(x.steps) for x in dense], "candidate": [list(x.steps) for x in cand]}
@@ -140,12 +162,15 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         if ci_halfwidth(summary) <= policy.target_halfwidth:
             stopped = "target"
             break
-        if clock() - start >= policy.budget_s:
-            stopped = "budget"
-            break
+        elapsed = clock() - start
+        if elapsed >= policy.budget_s:
+            if not (undecided(summary, policy.threshold) and elapsed < policy.extend_factor * policy.budget_s):
+                stopped = "budget"
+                break
+            extended += 1
     if not summary:
         summary = summarize()
-    summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped,
+    summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
                    target_halfwidth=policy.target_halfwidth)
     return summary
 

@@ -55,6 +55,9 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of timing per candidate after which no rounds are added (default 60)")
     p.add_argument("--max-noise-floor", type=float, default=1.05,
                    help="dense-vs-dense CI upper bound above which no speed verdicts are given (default 1.05)")
+    p.add_argument("--min-gain", type=float, default=None,
+                   help="smallest speedup a 'recommended' verdict asserts: its CI lower bound must exceed 1 + this "
+                        "and the noise floor (default: the target half-width)")
     p.add_argument("--peers", nargs="*", default=None,
                    help="reference rows: eager compile fbcache dbcache float8, separated by spaces or commas "
                         "(no names: all that apply)")
@@ -125,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         random_weights=args.random_weights, require_clean=args.require_clean, progress=not args.no_progress,
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-        max_noise_floor=args.max_noise_floor, estimator=args.estimator,
+        max_noise_floor=args.max_noise_floor, estimator=args.estimator, min_gain=args.min_gain,
         peers=args.peers,
     )
     try:
