@@ -27,6 +27,20 @@ else
   echo "no .whl/ here: using the installed packages (run ../shared/gpu/prepare.sh on the host for the device)" >&2
 fi
 
+# Distributions the suite needs besides the plugins: the core's own metadata (its `all` extra, its entry points), the
+# out-of-tree example plugin and the test-only attention provider. A .whl/ without them (the core wheel is left out
+# when FlashAttention-3's wheel would exceed the carry limit) gets them built here from the checkout, offline.
+local_dists=(". worldfoundry" "docs/examples/third_party_plugin worldfoundry-example-gelu-tanh"
+             "tests/fixtures/attention_provider_dist worldfoundry-test-attention-provider")
+for entry in "${local_dists[@]}"; do
+  read -r dir dist <<< "$entry"
+  python3 -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$dist" 2>/dev/null && continue
+  [ -f "$dir/pyproject.toml" ] || continue
+  case ":${PYTHONPATH:-}:" in *":$PWD/.site:"*) ;; *) export PYTHONPATH="$PWD/.site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target .site "$dir" \
+    || echo "building $dist from $dir failed: the tests that need it will fail" >&2
+done
+
 xdist=(-n "$workers")
 python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist missing: running in one process" >&2; xdist=(); }
 cmd=(python3 -m pytest -q "${xdist[@]}" -p no:cacheprovider -rfEs "$@")
