@@ -8,6 +8,12 @@ written before ``speed.groups`` existed carry no per-round seed: their rounds ar
 plugins), not for caches.
 
     python benchmarks/bench/reestimate.py benchmarks/results/h200-2026-12-01d/w17/w17a_results.json
+
+With ``--min-gain G`` the last column re-decides each timed candidate's speed verdict on the step floor under
+the current rule (:func:`worldfoundry.bench.stats.decision_threshold`: CI lower bound above max(the run's noise
+floor, 1 + G)); candidates whose recorded verdict is not a speed verdict keep it.
+
+    python benchmarks/bench/reestimate.py --min-gain 0.02 benchmarks/results/h200-2026-12-02/w17-d3fca8c/w17b_results.json
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worldfoundry.bench.stats import summarize_speed
+from worldfoundry.bench.stats import decision_threshold, summarize_speed
+
+SPEED_VERDICTS = ("recommended", "no_stable_gain")
 
 
 def _halfwidth(estimate: float, ci: list[float]) -> float:
@@ -45,13 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path)
     p.add_argument("--pool-seeds", action="store_true", help="group every round as one seed")
+    p.add_argument("--min-gain", type=float, default=None,
+                   help="re-decide the speed verdicts with this minimum gain (and the run's noise floor)")
     args = p.parse_args(argv)
     data = json.loads(args.results.read_text(encoding="utf-8"))
-    rows = [("control (dense vs dense)", data.get("dense", {}).get("control") or {})]
-    rows += [(c["name"], c.get("speed") or {}) for c in data.get("candidates", [])]
+    threshold = (decision_threshold(float(data.get("noise_floor") or 1.0), args.min_gain)
+                 if args.min_gain is not None else None)
+    rows = [("control (dense vs dense)", data.get("dense", {}).get("control") or {}, None)]
+    rows += [(c["name"], c.get("speed") or {}, c.get("verdict")) for c in data.get("candidates", [])]
     print(f"{'candidate':40} {'rounds':>6} | {'paired median [95% CI]':32} {'hw':>6} | "
-          f"{'step floor [95% CI]':32} {'hw':>6}")
-    for name, speed in rows:
+          f"{'step floor [95% CI]':32} {'hw':>6}" + ("" if threshold is None else f" | verdict at {threshold:.4f}"))
+    for name, speed, verdict in rows:
         got = reestimate(speed, args.pool_seeds) if speed else None
         if got is None:
             print(f"{name:40} {'-':>6} | no per-step times recorded")
@@ -63,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             est, ci, hw = got[key]
             cells.append(f"{est:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]{'':14} {hw:6.1%}")
-        print(f"{name:40} {got['rounds']:>6} | {cells[0]} | {cells[1]}")
+        line = f"{name:40} {got['rounds']:>6} | {cells[0]} | {cells[1]}"
+        if threshold is not None and verdict is not None:
+            floor = got["step_floor"]
+            if verdict in SPEED_VERDICTS and floor is not None:
+                verdict = "recommended" if floor[1][0] > threshold else "no_stable_gain"
+            line += f" | {verdict}"
+        print(line)
     return 0
 
 

@@ -107,3 +107,20 @@ def test_reestimate_script_reads_a_committed_run(capsys) -> None:
     assert "no per-step times recorded" in out.splitlines()[1]  # that run kept no control steps
     row = next(line for line in out.splitlines() if line.startswith("block-fusion+cuda-graph "))
     assert "1.430 [1.362, 1.526]" in row and "1.474" in row
+
+
+def test_reestimate_redecides_a_committed_run_with_a_minimum_gain(capsys) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("reestimate", root / "benchmarks" / "bench" / "reestimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = root / "benchmarks/results/h200-2026-12-02/w17-d3fca8c/w17a_results.json"
+    assert module.main(["--min-gain", "0.02", str(run)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    # recorded as recommended with CI lower bounds 1.015 and 1.012: below 1 + 2 %, no stable gain under the rule
+    assert rows["cuda-graph+mha-self+static-kv"].endswith("| no_stable_gain")
+    assert rows["easycache-0.1"].endswith("| no_stable_gain")
+    assert rows["block-fusion+cuda-graph"].endswith("| recommended")
