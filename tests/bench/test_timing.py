@@ -274,3 +274,62 @@ def test_switching_pairs_without_warmup_would_have_been_biased() -> None:
 def test_timing_policy_names_a_bad_estimator() -> None:
     with pytest.raises(ValueError, match="estimator: expected one of step_floor, paired_median"):
         TimingPolicy(estimator="mean")
+
+
+def _steps(seconds: float, n: int = 4):
+    from worldfoundry.bench.timing import Timed
+
+    return Timed(seconds * n, (seconds,) * n, 42)
+
+
+def test_dense_floor_reference_keeps_per_seed_step_minima() -> None:
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    assert ref.floor([42]) is None
+    ref.update([[0.08, 0.09], [0.09, 0.07], [0.05]], [42, 42, 42])  # the one-step round cannot line up: ignored
+    assert ref.floor([42]) == pytest.approx(0.15)
+    assert ref.floor([42, 43]) is None
+    ref.update([[1.0, 1.0]], [43])
+    assert ref.floor([42, 43, 42]) == pytest.approx(2.15)
+    assert ref.to_json() == {"42": pytest.approx(0.15), "43": pytest.approx(2.0)}
+
+
+def test_a_pair_timed_in_a_slow_phase_gets_more_rounds() -> None:
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    ref.update([[0.080] * 4], [42])
+    # the host is 10 % slower for the first three rounds on both arms (a narrow CI, but an inflated dense floor),
+    # then back to normal: the rule keeps timing until the dense floor is back within 2 % of the reference
+    samples = [(_steps(0.088), _steps(0.0704))] * 3 + [(_steps(0.080), _steps(0.064))] * 10
+    policy = TimingPolicy(min_rounds=3, max_rounds=12, budget_s=100.0, dense_reference=ref)
+    out = run_rounds(lambda r: samples[r], policy, clock=_fake_clock(1.0))
+    assert out["rounds"] == 4 and out["extended"] == 1 and out["stopped"] == "target"
+    assert out["dense_excess"] == pytest.approx(0.0)
+    plain = run_rounds(lambda r: samples[r], TimingPolicy(min_rounds=3, max_rounds=12, budget_s=100.0),
+                       clock=_fake_clock(1.0))
+    assert plain["rounds"] == 3 and plain["dense_excess"] is None
+
+
+def test_a_slow_phase_that_never_ends_stops_at_the_extended_budget() -> None:
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    ref.update([[0.080] * 4], [42])
+    policy = TimingPolicy(min_rounds=3, max_rounds=50, budget_s=4.0, dense_reference=ref)
+    out = run_rounds(lambda r: (_steps(0.1), _steps(0.08)), policy, clock=_fake_clock(1.0))
+    assert out["stopped"] == "target" and out["rounds"] == 10 and out["dense_excess"] == pytest.approx(0.25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ratios=st.lists(st.floats(0.5, 2.0), min_size=3, max_size=40), threshold=st.floats(0.9, 1.2),
+       budget=st.integers(1, 10), factor=st.floats(1.0, 3.0))
+def test_rounds_never_pass_the_extended_budget(ratios, threshold, budget, factor) -> None:
+    policy = TimingPolicy(min_rounds=3, max_rounds=40, budget_s=float(budget), threshold=threshold,
+                          extend_factor=factor, estimator="paired_median")
+    data = ratios + [ratios[-1]] * 40
+    out = run_rounds(lambda r: (1.0, 1.0 / data[r]), policy, clock=_fake_clock(1.0))
+    # the clock reads 1, 2, ... from the third round on: past factor x budget no round is added
+    assert out["rounds"] <= min(40, int(factor * budget) + 3)
+    assert out["extended"] <= out["rounds"] - 3

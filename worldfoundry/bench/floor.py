@@ -13,6 +13,11 @@ the sum over steps, summed over seeds; the speedup is dense floor / candidate fl
 Its 95 % CI is a paired, seed-stratified percentile bootstrap: the rounds of each seed are resampled with
 replacement (the same rounds for both sides), and the floor ratio is recomputed. A seed timed only once has no
 spread to resample, so the CI is undefined (``nan``) until every seed has two rounds.
+
+:class:`DenseFloorReference` keeps, over a whole run, the fastest dense time of every step of every seed (control
+pairs and each candidate's dense arm: the same model doing the same work). A pair whose dense floor sits well above
+it was timed in a slow phase of the host that outlasted the pair, which a floor of a few rounds cannot remove; the
+timing loop gives such a pair more rounds (:func:`worldfoundry.bench.timing.run_rounds`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,44 @@ def step_floor(dense: Sequence[Sequence[float]], cand: Sequence[Sequence[float]]
         return None
     return {"speedup": d_floor / c_floor, "ci95": list(_bootstrap(parts)), "dense_floor_s": d_floor,
             "candidate_floor_s": c_floor}
+
+
+class DenseFloorReference:
+    """Per seed, the per-step minimum dense times seen so far in a run.
+
+    Example::
+
+        ref = DenseFloorReference()
+        ref.update([[0.08, 0.08], [0.09, 0.07]], [42, 42])
+        ref.floor([42])   # 0.15
+    """
+
+    def __init__(self) -> None:
+        self._mins: dict[Any, np.ndarray] = {}
+
+    def update(self, steps: Sequence[Sequence[float]], groups: Sequence[Any]) -> None:
+        """Fold in dense generations: per round its step times and its seed (rounds whose step count differs from
+        what the seed has shown before are ignored: they cannot be lined up)."""
+        for row, group in zip(steps, groups):
+            if not row:
+                continue
+            times = np.asarray(row, dtype=np.float64)
+            held = self._mins.get(group)
+            if held is None:
+                self._mins[group] = times.copy()
+            elif held.shape == times.shape:
+                np.minimum(held, times, out=held)
+
+    def floor(self, groups: Sequence[Any]) -> float | None:
+        """The reference dense floor of the seeds in ``groups`` (summed), or ``None`` when a seed is unknown."""
+        seeds = list(dict.fromkeys(groups))
+        if not seeds or any(g not in self._mins for g in seeds):
+            return None
+        return float(sum(self._mins[g].sum() for g in seeds))
+
+    def to_json(self) -> dict[str, float]:
+        """Per seed, the reference floor in seconds."""
+        return {str(g): float(v.sum()) for g, v in self._mins.items()}
 
 
 def _bootstrap(parts: list[tuple[np.ndarray, np.ndarray]], seed: int = 0) -> tuple[float, float]:

@@ -27,6 +27,7 @@ from worldfoundry.bench.provenance import (
     tree_stats,
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
+from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     Arm,
@@ -248,7 +249,11 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["min_gain"] = min_gain
     results["decision_threshold"] = decision_threshold(noise_floor, min_gain)
     if not config.quality_only:
-        tpolicy = replace(tpolicy, threshold=results["decision_threshold"])
+        reference = DenseFloorReference()
+        control_steps = results["dense"]["control"].get("steps_s") or {}
+        for arm in ("dense", "candidate"):  # both arms of a control pair are dense
+            reference.update(control_steps.get(arm) or [], results["dense"]["control"].get("groups") or [])
+        tpolicy = replace(tpolicy, threshold=results["decision_threshold"], dense_reference=reference)
         results["timing_policy"]["threshold"] = tpolicy.threshold
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
@@ -264,6 +269,9 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
+    reference = config.extra["_timing_policy"].dense_reference
+    if reference is not None:
+        results["dense"]["floor_reference_s"] = reference.to_json()
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
@@ -342,9 +350,11 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         exact_ok = not record["exact_claimed"] or worst["bitwise_equal"]
         speed, mismatches = None, []
         if not config.quality_only and worst["finite"] and executed:
-            speed, mismatches, session = _time_pairs(cand, runner, dense, pilots, seeds,
-                                                     config.extra["_timing_policy"], policy, registry, monitor, bar,
-                                                     session)
+            tpolicy = config.extra["_timing_policy"]
+            speed, mismatches, session = _time_pairs(cand, runner, dense, pilots, seeds, tpolicy, policy, registry,
+                                                     monitor, bar, session)
+            if tpolicy.dense_reference is not None:  # this pair's dense arm joins the run's reference
+                tpolicy.dense_reference.update(speed["steps_s"]["dense"], speed["groups"])
         else:
             bar.update(0 if config.quality_only else rounds)
         record["speed"] = speed

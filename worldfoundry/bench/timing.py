@@ -8,7 +8,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. A candidate whose CI
   still straddles the policy's ``threshold`` (the value its lower bound must exceed for ``recommended``) when
   ``budget_s`` ends gets more rounds, up to ``extend_factor * budget_s``: time goes where the verdict is
-  undecided, not to candidates that are clearly slower or clearly faster. The estimate is the
+  undecided, not to candidates that are clearly slower or clearly faster. So does a pair whose dense floor is
+  more than ``target_halfwidth`` above the run's :class:`~worldfoundry.bench.floor.DenseFloorReference` (its
+  dense arm ran in a slow phase of the host; ``dense_excess`` in the summary), even when its CI is narrow. The estimate is the
   policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
@@ -30,11 +32,12 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
 
 #: Default target of the paired-speedup CI half-width, relative to the median (2%).
@@ -62,6 +65,8 @@ class TimingPolicy:
         threshold: the decision threshold of the run (``None`` before the control pairs set it): a CI that
             straddles it when ``budget_s`` ends is undecided and gets more rounds.
         extend_factor: the budget multiple an undecided candidate may use (1 = never extended).
+        dense_reference: the run's dense step floors (``None``: no slow-phase check); updated by the harness as
+            pairs complete.
     """
 
     min_rounds: int = 3
@@ -73,6 +78,7 @@ class TimingPolicy:
     estimator: str = DEFAULT_ESTIMATOR
     threshold: float | None = None
     extend_factor: float = DEFAULT_EXTEND_FACTOR
+    dense_reference: DenseFloorReference | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -96,6 +102,15 @@ def ci_halfwidth(summary: Mapping[str, Any]) -> float:
     if not estimate or estimate != estimate or low != low or high != high:
         return float("inf")
     return (high - low) / 2.0 / estimate
+
+
+def dense_excess(summary: Mapping[str, Any], reference: DenseFloorReference | None) -> float | None:
+    """How far (relative) the pair's dense step floor sits above the run's reference (``None``: not comparable)."""
+    floor = summary.get("step_floor")
+    if reference is None or not floor:
+        return None
+    ref = reference.floor(summary.get("groups") or [])
+    return floor["dense_floor_s"] / ref - 1.0 if ref else None
 
 
 def undecided(summary: Mapping[str, Any], threshold: float | None) -> bool:
@@ -133,7 +148,9 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     Returns:
         :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
         (``"target"``, ``"max_rounds"`` or ``"budget"``; an undecided candidate stops at ``extend_factor`` times
-        the budget), ``extended`` (rounds run past ``budget_s``) and the samples' ``steps_s`` and ``groups``.
+        the budget), ``extended`` (rounds added after the rule would have stopped: an undecided CI past the budget,
+        or a dense arm in a slow phase), ``dense_excess`` (the pair's dense floor over the policy's
+        ``dense_reference``, minus 1; ``None`` without one) and the samples' ``steps_s`` and ``groups``.
     """
     dense: list[Timed] = []
     cand: list[Timed] = []
@@ -159,19 +176,21 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         if len(dense) < policy.min_rounds:
             continue
         summary = summarize()
-        if ci_halfwidth(summary) <= policy.target_halfwidth:
-            stopped = "target"
-            break
+        narrow = ci_halfwidth(summary) <= policy.target_halfwidth
         elapsed = clock() - start
-        if elapsed >= policy.budget_s:
-            if not (undecided(summary, policy.threshold) and elapsed < policy.extend_factor * policy.budget_s):
-                stopped = "budget"
+        if narrow or elapsed >= policy.budget_s:
+            excess = dense_excess(summary, policy.dense_reference)
+            slow = excess is not None and excess > policy.target_halfwidth
+            more = slow or (not narrow and undecided(summary, policy.threshold))
+            if not (more and elapsed < policy.extend_factor * policy.budget_s):
+                stopped = "target" if narrow else "budget"
                 break
             extended += 1
     if not summary:
         summary = summarize()
     summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
-                   target_halfwidth=policy.target_halfwidth)
+                   target_halfwidth=policy.target_halfwidth,
+                   dense_excess=dense_excess(summary, policy.dense_reference))
     return summary
 
 
