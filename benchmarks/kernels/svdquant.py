@@ -20,7 +20,8 @@ section):
    the 60 FFN Linears (``blocks.*.ffn.0`` / ``ffn.2``; artifact calibrated here on random inputs at W17, rank 32,
    grouping ``--forward-mode`` (default per channel), randomized SVD, ``keep_original: cpu``), one model per
    ``--forward-variants`` entry (``smoothed``; ``unsmoothed-ffn2``: ``ffn.2`` calibrated without smoothing;
-   ``unsmoothed``: both; the ``-one-launch`` variants add ``one_launch_operand: true``), all timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
+   ``unsmoothed``: both; the ``-one-launch`` variants add ``one_launch_operand: true``), all
+   timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
    receipts (kernels run, no fallback), device bytes, exact restore after uninstall.
 3. ``memory_14b``: Wan2.1-T2V-14B architecture (40 layers, dim 5120, 40 heads, FFN 13,824; random weights
    built directly on the GPU in bf16): device memory of the DiT with and without the plugin on the 80 FFN

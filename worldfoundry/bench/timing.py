@@ -10,8 +10,8 @@ bound on each candidate's speedup, and the noisy-host rule.
   ``budget_s`` ends gets more rounds, up to ``extend_factor * budget_s``: time goes where the verdict is
   undecided, not to candidates that are clearly slower or clearly faster. So does a pair whose dense floor is
   more than ``target_halfwidth`` above the run's :class:`~worldfoundry.bench.floor.DenseFloorReference` (its
-  dense arm ran in a slow phase of the host; ``dense_excess`` in the summary), even when its CI is narrow. The estimate is the
-  policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
+  dense arm ran in a slow phase of the host; ``dense_excess`` in the summary), even when its CI is narrow. The
+  estimate is the policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
   blocks of two rounds whose first side alternates; after every switch one untimed generation of the
