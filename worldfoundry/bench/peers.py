@@ -201,7 +201,8 @@ class _PeerState:
     def to_dense(self) -> bool:
         if not self.active:
             return False
-        assert self.undo is not None
+        if self.undo is None:  # an active peer always holds its undo: a broken invariant, not bad input
+            raise RuntimeError(f"peer {self.name!r} is active but holds no undo")
         self.undo()
         self.active = False
         return True
