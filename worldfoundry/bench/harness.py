@@ -245,16 +245,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
             tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
             results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
     results["noise_floor"] = noise_floor
-    min_gain = _min_gain(config)
-    results["min_gain"] = min_gain
-    results["decision_threshold"] = decision_threshold(noise_floor, min_gain)
-    if not config.quality_only:
-        reference = DenseFloorReference()
-        control_steps = results["dense"]["control"].get("steps_s") or {}
-        for arm in ("dense", "candidate"):  # both arms of a control pair are dense
-            reference.update(control_steps.get(arm) or [], results["dense"]["control"].get("groups") or [])
-        tpolicy = replace(tpolicy, threshold=results["decision_threshold"], dense_reference=reference)
-        results["timing_policy"]["threshold"] = tpolicy.threshold
+    tpolicy = _decision_policy(results, config, tpolicy, noise_floor)
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
     for cand in cfile.candidates:
@@ -269,9 +260,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
-    reference = config.extra["_timing_policy"].dense_reference
-    if reference is not None:
-        results["dense"]["floor_reference_s"] = reference.to_json()
+    if tpolicy.dense_reference is not None:
+        results["dense"]["floor_reference_s"] = tpolicy.dense_reference.to_json()
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
@@ -279,6 +269,22 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
 
 def _min_gain(config: BenchConfig) -> float:
     return config.target_halfwidth if config.min_gain is None else config.min_gain
+
+
+def _decision_policy(results: dict[str, Any], config: BenchConfig, tpolicy: TimingPolicy,
+                     noise_floor: float) -> TimingPolicy:
+    """Record the run's decision threshold and return the candidates' policy with it and the run's dense-floor
+    reference (seeded with both arms of the control pairs: each is dense)."""
+    results["min_gain"] = _min_gain(config)
+    results["decision_threshold"] = decision_threshold(noise_floor, results["min_gain"])
+    if config.quality_only:
+        return tpolicy
+    reference = DenseFloorReference()
+    control = results["dense"]["control"]
+    for arm in ("dense", "candidate"):
+        reference.update((control.get("steps_s") or {}).get(arm) or [], control.get("groups") or [])
+    results["timing_policy"]["threshold"] = results["decision_threshold"]
+    return replace(tpolicy, threshold=results["decision_threshold"], dense_reference=reference)
 
 
 def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> TimingPolicy:
