@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""``worldfoundry tune`` against the hand-written default candidates, on the shipped trained model (CPU).
+"""``worldfoundry tune`` against the hand-written default candidates, on the shipped trained model (CPU or CUDA).
 
 1. ``run_tune`` on ``tiny-wan2.1-trained`` with the given quality budget (the default candidate file's workload).
 2. One ``run_bench`` of the hand-written ``recipes/candidates/default.json`` candidates **and** the tuned one,
@@ -10,6 +10,7 @@
 
     python benchmarks/bench/tune_vs_defaults.py                                   # the default budget
     python benchmarks/bench/tune_vs_defaults.py --max-rel-l2 0.12 --min-psnr 27 --min-ssim 0.89
+    python benchmarks/bench/tune_vs_defaults.py --device cuda                     # the same model on a GPU
 
 Writes ``$OUT/tune_vs_defaults.json`` (default ``./bench_out``), with the tune and bench outputs under
 ``$OUT/tune`` and ``$OUT/rebench``, and prints a table and the checks last.
@@ -71,6 +72,8 @@ def main() -> None:
     p.add_argument("--min-psnr", type=float, default=33.0)
     p.add_argument("--min-ssim", type=float, default=0.98)
     p.add_argument("--time-budget", type=float, default=20.0, help="seconds of timing per candidate")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -78,14 +81,15 @@ def main() -> None:
     workload = json.loads(DEFAULTS.read_text())["workload"]
     t0 = time.perf_counter()
     trace = run_tune(TuneConfig(workload=workload, budget=budget, out=str(out / "tune"), progress=False,
-                                time_budget_s=args.time_budget))
+                                time_budget_s=args.time_budget, device=args.device, dtype=args.dtype))
     tune_s = time.perf_counter() - t0
     tuned_path = out / "tune" / "tuned.json"
     tuned = json.loads(tuned_path.read_text()) if trace.get("chosen") and tuned_path.exists() else None
     t1 = time.perf_counter()
     results = run_bench(BenchConfig(candidates=str(rebench_file(tuned, budget, out)), out=str(out / "rebench"),
-                                    rounds=3, time_budget_s=args.time_budget, progress=False))
-    summary = {"budget": budget, "tune_s": tune_s, "rebench_s": time.perf_counter() - t1, **checks(results)}
+                                    rounds=3, time_budget_s=args.time_budget, progress=False,
+                                    device=args.device, dtype=args.dtype))
+    summary = {"budget": budget, "device": args.device, "dtype": args.dtype, "tune_s": tune_s, "rebench_s": time.perf_counter() - t1, **checks(results)}
     (out / "tune_vs_defaults.json").write_text(json.dumps(summary, indent=2, default=str))
     print("| candidate | verdict | within budget | speedup | 95% CI |\n|---|---|---|---|---|")
     for c in results["candidates"]:

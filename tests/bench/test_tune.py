@@ -110,3 +110,42 @@ def test_a_routed_recipe_is_tuned_expert_by_expert(tmp_path: Path) -> None:
     combined = passes.get("experts-combined", {"rows": []})["rows"]
     assert all(set(r["accelerations"]["easycache"]["per_expert"]) == {"high", "low"} for r in combined)
     assert all(r["verdict"] == "quality_only" for r in alone + combined)
+
+
+class _QualityStub:
+    """Stands in for the harness in the stacking logic: a spec passes unless it holds a listed bad pair."""
+
+    def __init__(self, bad_pairs: list[set[str]]) -> None:
+        self.bad_pairs = bad_pairs
+        self.passes: list[tuple[str, list[dict]]] = []
+
+    def bench(self, name: str, specs: list[dict], *, timed: bool) -> list[dict]:
+        assert not timed
+        self.passes.append((name, specs))
+        return [{"accelerations": s, "executed": True, "within_budget": {"latent_rel_l2": True},
+                 "verdict": "rejected_at_install" if any(bad <= set(s) for bad in self.bad_pairs) else "quality_only"}
+                for s in specs]
+
+
+def test_exact_sets_stack_what_passes_together_and_keep_only_maximal_sets() -> None:
+    from worldfoundry.bench.tune import _exact_sets
+
+    singles = [{"a": {}}, {"b": {}}, {"c": {}}, {"d": {"x": 1}}, {"d": {"x": 2}}]
+    stub = _QualityStub(bad_pairs=[{"a", "c"}])
+    sets = _exact_sets(stub, singles)
+    names = [p for p, _ in stub.passes]
+    assert names == ["pairs", "sets"]
+    pairs = stub.passes[0][1]
+    assert len(pairs) == 9 and not any(set(p) == {"d"} for p in pairs)  # one choice per plugin
+    # a+c conflicts: the maximal sets are {a, b, d=x} and {b, c, d=x} for each d choice
+    keyed = sorted(sorted((k, json.dumps(v)) for k, v in s.items()) for s in sets)
+    assert keyed == sorted([
+        [("a", "{}"), ("b", "{}"), ("d", '{"x": 1}')], [("a", "{}"), ("b", "{}"), ("d", '{"x": 2}')],
+        [("b", "{}"), ("c", "{}"), ("d", '{"x": 1}')], [("b", "{}"), ("c", "{}"), ("d", '{"x": 2}')]])
+
+
+def test_exact_sets_with_one_plugin_check_nothing() -> None:
+    from worldfoundry.bench.tune import _exact_sets
+
+    stub = _QualityStub(bad_pairs=[])
+    assert _exact_sets(stub, [{"a": {"x": 1}}, {"a": {"x": 2}}]) == [] and stub.passes == []

@@ -5,7 +5,8 @@ Coarse to fine, and cheap passes first:
 1. **coarse** (quality only): every plugin's choices alone; EasyCache on a geometric threshold grid per warm-up.
 2. **refine** (quality only): per EasyCache warm-up, bisect between the largest passing and the smallest failing
    threshold.
-3. **stacks** (quality only): the best cache setting combined with each passing non-cache choice.
+3. **stacks** (quality only): pairs of passing non-cache choices of different plugins, then every larger set
+   whose pairs all passed (maximal sets only); the best cache setting with each passing choice and each set.
 4. **timing**: only the survivors (ranked by the receipts bound ``n / k`` and the stacks) are timed in
    interleaved pairs; the fastest one within budget is written as a candidate file (``tuned.json``) with a
    report (``tune_report.md``) and the full trace (``tune.json``).
@@ -18,6 +19,7 @@ not installed (or need CUDA on a CPU run) are left out and listed in the trace.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -47,7 +49,10 @@ DEFAULT_SPACE: dict[str, Any] = {
         {"self": {"backend": "fa3", "min_tokens": 8192}},
         {"self": {"backend": "sage", "min_tokens": 8192}}]},
     "wan_cross_kv_fusion": {"choices": [{"min_tokens": 0}]},
-    "optimized_mha": {"choices": [{"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}}]},
+    "optimized_mha": {"choices": [{"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}},
+                                  {"self": {"fusion": "qkv"}}]},
+    "wan_block_fusion": {"cuda_only": True, "choices": [{}]},
+    "cuda_graph": {"cuda_only": True, "choices": [{}]},
 }
 DEFAULT_WORKLOAD: dict[str, Any] = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9,
                                     "height": 32, "width": 32, "steps": 8, "guidance": 5.0, "shift": 3.0,
@@ -56,6 +61,8 @@ DEFAULT_TUNE_BUDGET: dict[str, float] = {"latent_rel_l2": 0.03, "psnr_db": 33.0,
 INVALID_PREFIXES = ("invalid", "rejected", "refused")
 #: Longest generated candidate name (the candidate-file rule allows 128 characters).
 MAX_NAME = 96
+#: At most this many sets of three or more non-cache choices are checked in the ``stacks`` pass (largest first).
+MAX_SETS = 16
 
 
 class TuneSpaceError(ValueError):
@@ -273,14 +280,57 @@ def _survivors(search: _Search, caches: list[dict[str, Any]], others: list[dict[
     good_caches = sorted((r for r in caches if _ok(r)), key=lambda r: (-_skipped(r),
                          r["accelerations"][CACHE_PLUGIN]["threshold"]))
     good_caches = [r for r in good_caches if _skipped(r) > 0][:n]
-    good_others = [r for r in others if _ok(r)]
-    specs = [dict(r["accelerations"]) for r in good_caches + good_others]
+    good_others = [dict(r["accelerations"]) for r in others if _ok(r)]
+    sets = _exact_sets(search, good_others)
+    specs = [dict(r["accelerations"]) for r in good_caches] + good_others + sets
     if good_caches and good_others:
         best = good_caches[0]["accelerations"]
-        stacks = [{**best, **o["accelerations"]} for o in good_others]
+        stacks = [{**best, **o} for o in good_others + sets]
         checked = search.bench("stacks", stacks, timed=False)
         specs += [dict(r["accelerations"]) for r in checked if _ok(r)]
     return specs
+
+
+def _exact_sets(search: _Search, singles: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stacks of passing non-cache choices (one choice per plugin) that pass together, for the timing pass.
+
+    Pairs are checked first (a pair that conflicts or leaves the budget is out); then every larger set whose pairs
+    all passed and that no other such set contains (at most :data:`MAX_SETS`, largest first). Returns the passing
+    pairs that no passing larger set contains, and the passing larger sets.
+    """
+    pairs = [{**a, **b} for i, a in enumerate(singles) for b in singles[i + 1:] if not set(a) & set(b)]
+    if not pairs:
+        return []
+    passed = [dict(r["accelerations"]) for r in search.bench("pairs", pairs, timed=False) if _ok(r)]
+    keys = {_key(p) for p in passed}
+    candidates = []
+    for size in range(len(singles), 2, -1):
+        for combo in itertools.combinations(singles, size):
+            spec = _merge(combo)
+            if spec is not None and all(_key({**a, **b}) in keys for a, b in itertools.combinations(combo, 2)):
+                candidates.append(spec)
+    maximal = [c for c in candidates if not any(c is not d and set(_items(c)) < set(_items(d)) for d in candidates)]
+    larger = [dict(r["accelerations"]) for r in search.bench("sets", maximal[:MAX_SETS], timed=False) if _ok(r)]
+    covered = [p for p in passed if not any(set(_items(p)) <= set(_items(g)) for g in larger)]
+    return covered + larger
+
+
+def _merge(specs: tuple[dict[str, Any], ...]) -> dict[str, Any] | None:
+    """One spec from single-plugin specs, or ``None`` when two name the same plugin."""
+    merged: dict[str, Any] = {}
+    for spec in specs:
+        if set(spec) & set(merged):
+            return None
+        merged.update(spec)
+    return merged
+
+
+def _items(spec: dict[str, Any]) -> list[str]:
+    return [json.dumps({k: v}, sort_keys=True) for k, v in spec.items()]
+
+
+def _key(spec: dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True)
 
 
 def _pick(records: list[dict[str, Any]], noisy: bool) -> dict[str, Any] | None:
@@ -308,7 +358,7 @@ def run_tune(config: TuneConfig, *, registry: AccelerationRegistry | None = None
     from worldfoundry.bench.tune_experts import per_expert_pass, recipe_experts
 
     routed = CACHE_PLUGIN in space and len(recipe_experts(config.model or DEFAULT_MODEL)) > 1
-    total = 1 + (config.refine if CACHE_PLUGIN in space else 0) + 2 + (2 if routed else 0)
+    total = 1 + (config.refine if CACHE_PLUGIN in space else 0) + 4 + (2 if routed else 0)
     search.bar = tqdm(total=total, desc="tune", disable=not config.progress)
     try:
         caches, others = _coarse(search, space) if space else ([], [])
@@ -318,6 +368,7 @@ def run_tune(config: TuneConfig, *, registry: AccelerationRegistry | None = None
         specs = _survivors(search, caches, others)
         timed = search.bench("timing", specs, timed=True) if specs else []
     finally:
+        search.bar.total = search.bar.n  # passes with nothing to check were not run
         search.bar.close()
     noisy = bool(search.passes and search.passes[-1]["timed"] and search.passes[-1].get("noisy_host"))
     best = _pick(timed, noisy)
