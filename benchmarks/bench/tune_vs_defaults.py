@@ -11,6 +11,7 @@
     python benchmarks/bench/tune_vs_defaults.py                                   # the default budget
     python benchmarks/bench/tune_vs_defaults.py --max-rel-l2 0.12 --min-psnr 27 --min-ssim 0.89
     python benchmarks/bench/tune_vs_defaults.py --device cuda                     # the same model on a GPU
+    python benchmarks/bench/tune_vs_defaults.py --device cuda --also recipes/candidates/wan2.1-1.3b-h200.json
 
 Writes ``$OUT/tune_vs_defaults.json`` (default ``./bench_out``), with the tune and bench outputs under
 ``$OUT/tune`` and ``$OUT/rebench``, and prints a table and the checks last.
@@ -32,10 +33,19 @@ from worldfoundry.core.model_loading.recipes import project_root
 DEFAULTS = project_root() / "recipes" / "candidates" / "default.json"
 
 
-def rebench_file(tuned: dict[str, Any] | None, budget: dict[str, float], out: Path) -> Path:
-    """The default candidates plus ``tuned`` (when tune chose one), with ``budget``, as one candidate file."""
+def rebench_file(tuned: dict[str, Any] | None, budget: dict[str, float], out: Path,
+                 also: list[Path] | None = None) -> Path:
+    """The default candidates (and those of the ``also`` files, under their own names) plus ``tuned`` (when tune
+    chose one), with ``budget`` and the default file's workload, as one candidate file."""
     data = json.loads(DEFAULTS.read_text())
     data["quality_budget"] = budget
+    names = {c["name"] for c in data["candidates"]}
+    for path in also or []:
+        for cand in json.loads(path.read_text())["candidates"]:
+            if cand["name"] not in names and cand["name"] != "tuned":
+                names.add(cand["name"])
+                data["candidates"].append({"name": cand["name"], "accelerations": cand["accelerations"],
+                                           "notes": f"hand-written, from {path.name}"})
     if tuned is not None:
         data["candidates"].append({"name": "tuned", "accelerations": tuned["candidates"][0]["accelerations"],
                                    "notes": tuned.get("description", "")})
@@ -74,6 +84,9 @@ def main() -> None:
     p.add_argument("--time-budget", type=float, default=20.0, help="seconds of timing per candidate")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--also", action="append", type=Path, default=[], metavar="FILE",
+                   help="another hand-written candidate file whose candidates join the defaults (e.g. "
+                        "recipes/candidates/wan2.1-1.3b-h200.json: the GPU exact stacks)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -86,10 +99,10 @@ def main() -> None:
     tuned_path = out / "tune" / "tuned.json"
     tuned = json.loads(tuned_path.read_text()) if trace.get("chosen") and tuned_path.exists() else None
     t1 = time.perf_counter()
-    results = run_bench(BenchConfig(candidates=str(rebench_file(tuned, budget, out)), out=str(out / "rebench"),
+    results = run_bench(BenchConfig(candidates=str(rebench_file(tuned, budget, out, args.also)), out=str(out / "rebench"),
                                     rounds=3, time_budget_s=args.time_budget, progress=False,
                                     device=args.device, dtype=args.dtype))
-    summary = {"budget": budget, "device": args.device, "dtype": args.dtype, "tune_s": tune_s, "rebench_s": time.perf_counter() - t1, **checks(results)}
+    summary = {"budget": budget, "also": [str(a) for a in args.also], "device": args.device, "dtype": args.dtype, "tune_s": tune_s, "rebench_s": time.perf_counter() - t1, **checks(results)}
     (out / "tune_vs_defaults.json").write_text(json.dumps(summary, indent=2, default=str))
     print("| candidate | verdict | within budget | speedup | 95% CI |\n|---|---|---|---|---|")
     for c in results["candidates"]:
