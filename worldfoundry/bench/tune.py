@@ -6,7 +6,7 @@ Coarse to fine, and cheap passes first:
 2. **refine** (quality only): per EasyCache warm-up, bisect between the largest passing and the smallest failing
    threshold.
 3. **stacks** (quality only): pairs of passing non-cache choices of different plugins, then every larger set
-   whose pairs all passed (maximal sets only); the best cache setting with each passing choice and each set.
+   whose pairs all passed; the best cache setting with each passing choice and each of those stacks.
 4. **timing**: only the survivors (ranked by the receipts bound ``n / k`` and the stacks) are timed in
    interleaved pairs; the fastest one within budget is written as a candidate file (``tuned.json``) with a
    report (``tune_report.md``) and the full trace (``tune.json``).
@@ -295,8 +295,8 @@ def _exact_sets(search: _Search, singles: list[dict[str, Any]]) -> list[dict[str
     """Stacks of passing non-cache choices (one choice per plugin) that pass together, for the timing pass.
 
     Pairs are checked first (a pair that conflicts or leaves the budget is out); then every larger set whose pairs
-    all passed and that no other such set contains (at most :data:`MAX_SETS`, largest first). Returns the passing
-    pairs that no passing larger set contains, and the passing larger sets.
+    all passed (at most :data:`MAX_SETS`, largest first). Returns every passing pair and larger set: stacking is
+    not monotone in speed (a plugin that pays off alone can cost time beside another), so the timing decides.
     """
     pairs = [{**a, **b} for i, a in enumerate(singles) for b in singles[i + 1:] if not set(a) & set(b)]
     if not pairs:
@@ -309,10 +309,8 @@ def _exact_sets(search: _Search, singles: list[dict[str, Any]]) -> list[dict[str
             spec = _merge(combo)
             if spec is not None and all(_key({**a, **b}) in keys for a, b in itertools.combinations(combo, 2)):
                 candidates.append(spec)
-    maximal = [c for c in candidates if not any(c is not d and set(_items(c)) < set(_items(d)) for d in candidates)]
-    larger = [dict(r["accelerations"]) for r in search.bench("sets", maximal[:MAX_SETS], timed=False) if _ok(r)]
-    covered = [p for p in passed if not any(set(_items(p)) <= set(_items(g)) for g in larger)]
-    return covered + larger
+    larger = [dict(r["accelerations"]) for r in search.bench("sets", candidates[:MAX_SETS], timed=False) if _ok(r)]
+    return passed + larger
 
 
 def _merge(specs: tuple[dict[str, Any], ...]) -> dict[str, Any] | None:
@@ -323,10 +321,6 @@ def _merge(specs: tuple[dict[str, Any], ...]) -> dict[str, Any] | None:
             return None
         merged.update(spec)
     return merged
-
-
-def _items(spec: dict[str, Any]) -> list[str]:
-    return [json.dumps({k: v}, sort_keys=True) for k, v in spec.items()]
 
 
 def _key(spec: dict[str, Any]) -> str:
