@@ -1,0 +1,272 @@
+"""PyTorch's CUDA LayerNorm, reproduced bitwise in Triton, with the AdaLN epilogue fused in.
+
+Wan's blocks normalise the float32 stream with ``FP32LayerNorm`` and then modulate it: ``norm1(x.float()) * (1 +
+scale) + shift``, cast to the stream's dtype. Eager runs this as PyTorch's LayerNorm kernel (float32 output) and one
+more kernel; :func:`layer_norm_modulate` does it in one kernel that reads the stream once and writes the modulated
+result, bitwise equal to eager. :func:`layer_norm` is the same kernel with LayerNorm's own affine epilogue (Wan's
+``norm2`` followed by ``.type_as(x)``), or no epilogue.
+
+**What is reproduced.** PyTorch (2.11 and later, CUDA) normalises a row of ``N`` elements with
+``vectorized_layer_norm_kernel`` when ``N`` is a multiple of 4, at most 2^24, and every operand is 16-byte aligned
+(:func:`torch_path_reason` checks this; otherwise PyTorch runs another algorithm and the callers fall back). That
+kernel gives each row a block of 128 threads (4 warps of 32); thread ``t`` reads the 4-element vectors ``t, t + 128,
+...`` and folds each element into a Welford state ``(mean, m2, count)`` in order; the warps then combine their lanes
+by shuffling down (offsets 16, 8, 4, 2, 1: lane ``l`` merges lane ``l + offset`` into its own state) and the four
+warp results are merged the same way (warps 2, 3 into 0, 1, then 1 into 0). The variance is ``m2 / N`` (IEEE
+division), ``rstd = rsqrt(var + eps)`` and the output ``rstd * (x - mean)``; with weight and bias
+``weight * that + bias``. The reciprocals ``1 / count`` are IEEE divisions; where the compiled CUDA code contracts a
+multiply and an add into one fused multiply-add, the kernel calls ``tl.fma`` explicitly, and every other operation
+rounds on its own (the kernel is compiled without contraction). The kernel here holds the 128 per-thread states as
+one 128-lane vector per row and performs the same merges in the same order, so mean, ``rstd`` and every output
+element carry the same bits.
+
+On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``); there ``rsqrt`` is ``1 / sqrt``
+(computed in float64 by the interpreter), and :func:`reference_layer_norm` (torch, the same algorithm step by step) takes ``approx_rsqrt=False`` to
+match it. On the GPU the kernel is checked against ``torch.nn.functional.layer_norm`` itself.
+
+Example (CPU, interpreter)::
+
+    out = layer_norm_modulate(x, 1e-6, table, temb, 0, 1, out_dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+
+from worldfoundry.core.fusion.adaln import _emb4, _mod_term
+from worldfoundry.core.fusion.indexing import INT32_MAX, needs_int64
+from worldfoundry.core.fusion.launch import KernelLauncher
+from worldfoundry.core.fusion.triton_support import (
+    TRITON_AVAILABLE,
+    launch_options,
+    software_rounding,
+    store_rounded,
+    tl,
+    triton,
+)
+
+#: Threads per row of PyTorch's vectorized LayerNorm kernel (``num_threads()`` on CUDA: 4 warps of 32).
+THREADS: Final = 128
+WARP: Final = 32
+VEC: Final = 4
+#: The largest row PyTorch normalises with the vectorized kernel (``N <= 2^24``).
+MAX_N: Final = 1 << 24
+MODE_PLAIN: Final = 0
+MODE_MODULATE: Final = 1
+#: Which product of ``nA * mean_A + nB * mean_B`` the CUDA build contracts (0: the first; 1: the second; 2: none).
+MEAN_FMA: Final = 0
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _combine(b_mean, b_m2, b_n, a_mean, a_m2, a_n, MEAN_ORDER: tl.constexpr):
+        """PyTorch's ``cuWelfordCombine(dataB, dataA)``: ``B`` is the running state, ``A`` the one merged in."""
+        delta = b_mean - a_mean
+        count = a_n + b_n
+        safe = tl.where(count > 0.0, count, 1.0)
+        coef = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+        n_a = a_n * coef
+        n_b = b_n * coef
+        if MEAN_ORDER == 0:
+            mean = tl.fma(n_a, a_mean, n_b * b_mean)
+        elif MEAN_ORDER == 1:
+            mean = tl.fma(n_b, b_mean, n_a * a_mean)
+        else:
+            mean = n_a * a_mean + n_b * b_mean
+        m2 = tl.fma(delta * delta * a_n, n_b, a_m2 + b_m2)
+        zero = tl.zeros(mean.shape, tl.float32)
+        return tl.where(count > 0.0, mean, zero), tl.where(count > 0.0, m2, zero), count
+
+    @triton.jit
+    def _halve(mean, m2, n, HALF: tl.constexpr, ROWS: tl.constexpr, MEAN_ORDER: tl.constexpr):
+        """One shuffle-down step on ``[ROWS, 2 * HALF]`` lane states: lane ``l < HALF`` merges lane ``l + HALF``."""
+        own_m, oth_m = tl.split(tl.permute(tl.reshape(mean, (ROWS, 2, HALF)), (0, 2, 1)))
+        own_v, oth_v = tl.split(tl.permute(tl.reshape(m2, (ROWS, 2, HALF)), (0, 2, 1)))
+        own_n, oth_n = tl.split(tl.permute(tl.reshape(n, (ROWS, 2, HALF)), (0, 2, 1)))
+        return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER)
+
+    @triton.jit
+    def _row_stats(x_ptr, row_off, N, eps, NV: tl.constexpr, MEAN_ORDER: tl.constexpr,
+                   APPROX_RSQRT: tl.constexpr):
+        """(mean, rstd) of one row, in the order of PyTorch's ``compute_stats`` (see the module docstring)."""
+        t = tl.arange(0, 128)
+        mean = tl.zeros((128,), tl.float32)
+        m2 = tl.zeros((128,), tl.float32)
+        n = tl.zeros((128,), tl.float32)
+        n_vec = N // 4
+        for i in tl.static_range(NV):
+            v_idx = i * 128 + t
+            live = v_idx < n_vec
+            for ii in tl.static_range(4):
+                val = tl.load(x_ptr + row_off + v_idx * 4 + ii, mask=live, other=0.0).to(tl.float32)
+                delta = val - mean
+                new_n = n + 1.0
+                new_mean = tl.fma(delta, tl.math.div_rn(tl.full(new_n.shape, 1.0, tl.float32), new_n), mean)
+                new_m2 = tl.fma(delta, val - new_mean, m2)
+                mean = tl.where(live, new_mean, mean)
+                m2 = tl.where(live, new_m2, m2)
+                n = tl.where(live, new_n, n)
+        # 4 warps x 32 lanes: shuffle-down within each warp, then warps 2, 3 into 0, 1 and 1 into 0
+        mean, m2, n = _halve(mean, m2, n, 16, 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 8, 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 4, 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 2, 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 1, 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 2, 1, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 1, 1, MEAN_ORDER)
+        # [1, 1] -> [1]: the statistics stay one-element float32 tensors (the interpreter computes scalars in
+        # float64, a tensor in its own dtype), broadcast against the row below
+        mean = tl.reshape(mean, (1,))
+        m2 = tl.reshape(m2, (1,))
+        var = tl.math.div_rn(m2, tl.full((1,), N, tl.float32))
+        v = var + eps
+        if APPROX_RSQRT:
+            rstd = tl.math.rsqrt(v)
+        else:
+            # the interpreter (CPU): in float64, rounded once (its float32 scalar arithmetic is not reproducible)
+            rstd = (tl.full((1,), 1.0, tl.float64) / tl.sqrt(v.to(tl.float64))).to(tl.float32)
+        return mean, rstd
+
+    @triton.jit(do_not_specialize=["K0", "K1"])
+    def _ln_kernel(out_ptr, stats_ptr, x_ptr, w_ptr, b_ptr, tbl_ptr, emb_ptr, S, N, eps, t_k, t_c, e_b, e_s, e_k,
+                   e_c, K0, K1, MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                   OUT_BF16: tl.constexpr, WRITE_STATS: tl.constexpr, NV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MEAN_ORDER: tl.constexpr, APPROX_RSQRT: tl.constexpr, INDEX_64: tl.constexpr,
+                   SOFTWARE_ROUNDING: tl.constexpr):
+        row = tl.program_id(0)
+        if INDEX_64:  # widen before any multiply by a size or stride
+            row = row.to(tl.int64)
+        row_off = row * N
+        mean, rstd = _row_stats(x_ptr, row_off, N, eps, NV, MEAN_ORDER, APPROX_RSQRT)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
+        y = rstd * (x - mean)
+        if MODE == 1:
+            b = row // S
+            s = row - b * S
+            shift = _mod_term(tbl_ptr, emb_ptr, b, s, cols, mask, K0, t_k, t_c, e_b, e_s, e_k, e_c, False,
+                              SOFTWARE_ROUNDING)
+            scale = _mod_term(tbl_ptr, emb_ptr, b, s, cols, mask, K1, t_k, t_c, e_b, e_s, e_k, e_c, False,
+                              SOFTWARE_ROUNDING)
+            y = y * (1.0 + scale) + shift
+        else:
+            if HAS_W:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_B:
+                    y = tl.fma(w, y, tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32))
+                else:
+                    y = w * y
+            elif HAS_B:
+                y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        store_rounded(out_ptr + row_off + cols, y, mask, OUT_BF16, SOFTWARE_ROUNDING)
+        if WRITE_STATS:
+            one = tl.arange(0, 1)
+            tl.store(stats_ptr + row * 2 + one, mean)
+            tl.store(stats_ptr + row * 2 + 1 + one, rstd)
+
+
+def torch_path_reason(x: torch.Tensor, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None) -> str | None:
+    """Why PyTorch would not normalise ``x`` (last dim) with its vectorized kernel, or ``None`` when it would.
+
+    Only that kernel's algorithm is reproduced. ``x`` is the tensor handed to ``F.layer_norm``: a non-contiguous one
+    is copied (aligned) by PyTorch first; float32 operands must be 16-byte aligned, weight and bias float32 too.
+    """
+    n = x.shape[-1]
+    if x.dtype != torch.float32:
+        return f"LayerNorm input {x.dtype} (the reproduced kernel reads float32)"
+    if n % VEC or n > MAX_N or n == 0:
+        return f"LayerNorm width {n} (PyTorch's vectorized kernel needs a multiple of 4 up to 2^24)"
+    if x.is_contiguous() and x.data_ptr() % (VEC * 4):
+        return "LayerNorm input not 16-byte aligned"
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.data_ptr() % (VEC * 4) or t.shape != (n,)
+                              or not t.is_contiguous()):
+            return f"LayerNorm {name} not a contiguous, 16-byte aligned float32 vector of {n}"
+    return None
+
+
+_PLANS: dict[tuple, KernelLauncher] = {}
+_MAX_PLANS: Final = 256
+
+
+def _plan(key: tuple, mode: int, x: torch.Tensor, out_dtype: torch.dtype, has_w: bool, has_b: bool,
+          table: torch.Tensor | None, emb: torch.Tensor | None, eps: float, stats: bool, mean_order: int,
+          index_limit: int) -> KernelLauncher:
+    rows, n = x.numel() // x.shape[-1], x.shape[-1]
+    s = x.shape[1] if x.dim() == 3 else rows
+    if table is not None:
+        e4 = _emb4(emb)
+        t_k, t_c = table.stride()
+        e_b, e_s, e_k, e_c = e4.stride()
+        if e4.shape[1] == 1:
+            e_s = 0
+        wide = needs_int64(x, table, e4, extra=x.numel(), limit=index_limit)
+    else:
+        t_k = t_c = e_b = e_s = e_k = e_c = 0
+        wide = needs_int64(x, extra=x.numel(), limit=index_limit)
+    nv = -(-(n // VEC) // THREADS)
+    kwargs = dict(MODE=mode, HAS_W=has_w, HAS_B=has_b, OUT_BF16=out_dtype == torch.bfloat16, WRITE_STATS=stats,
+                  NV=nv, BLOCK_N=max(16, 1 << (n - 1).bit_length()), MEAN_ORDER=mean_order,
+                  APPROX_RSQRT=x.device.type == "cuda", INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
+                  **launch_options())
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = KernelLauncher(_ln_kernel, (rows,), n_pointers=7, fixed=(s, n, float(eps), t_k, t_c, e_b, e_s, e_k, e_c),
+                          constexprs=kwargs)
+    _PLANS[key] = plan
+    return plan
+
+
+def _run(mode: int, x: torch.Tensor, eps: float, out_dtype: torch.dtype, weight: torch.Tensor | None,
+         bias: torch.Tensor | None, table: torch.Tensor | None, emb: torch.Tensor | None, k0: int, k1: int,
+         stats: bool, mean_order: int, index_limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    geometry = None if table is None else (table.dtype, table.stride(), emb.dtype, emb.shape, emb.stride())
+    key = (mode, x.dtype, x.shape, x.device.type, out_dtype, weight is not None, bias is not None, geometry, eps,
+           stats, mean_order, index_limit)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(key, mode, x, out_dtype, weight is not None, bias is not None, table, emb, eps, stats,
+                     mean_order, index_limit)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = x.numel() // x.shape[-1]
+    st = torch.empty((rows, 2), dtype=torch.float32, device=x.device) if stats else out
+    plan((out, st, x, x if weight is None else weight, x if bias is None else bias,
+          x if table is None else table, x if emb is None else emb), (k0, k1))
+    return out, (st if stats else None)
+
+
+def layer_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               *, out_dtype: torch.dtype = torch.float32, stats: bool = False, mean_order: int = MEAN_FMA,
+               index_limit: int = INT32_MAX) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``F.layer_norm(x, (N,), weight, bias, eps)`` rounded to ``out_dtype`` (its ``.to(out_dtype)``).
+
+    Args:
+        x: contiguous ``[..., N]`` float32 or bfloat16 (read as float32: bitwise ``x.float()``).
+        eps: the LayerNorm epsilon (rounded to float32, as PyTorch does).
+        weight, bias: ``[N]`` float32 or ``None``.
+        out_dtype: float32 (LayerNorm's own output) or bfloat16 (the eager cast after it).
+        stats: also return ``[rows, 2]`` float32 (mean, rstd) per row, as ``native_layer_norm`` returns them.
+        mean_order: which product the mean merge contracts (:data:`MEAN_FMA`; other values exist for the probe
+            that checks the choice against PyTorch on a GPU).
+        index_limit: offsets above this use 64-bit arithmetic (tests lower it).
+
+    Returns:
+        ``(out, stats or None)``.
+    """
+    return _run(MODE_PLAIN, x, eps, out_dtype, weight, bias, None, None, 0, 0, stats, mean_order, index_limit)
+
+
+def layer_norm_modulate(x: torch.Tensor, eps: float, table: torch.Tensor, emb: torch.Tensor, k_shift: int,
+                        k_scale: int, *, out_dtype: torch.dtype, mean_order: int = MEAN_FMA,
+                        index_limit: int = INT32_MAX) -> torch.Tensor:
+    """``(layer_norm(x.float()) * (1 + m[k_scale]) + m[k_shift])`` as ``out_dtype``, ``m[k] = table[k] + emb[k]``.
+
+    ``x`` is a contiguous ``[B, S, C]`` stream; ``table`` and ``emb`` as for
+    :func:`~worldfoundry.core.fusion.adaln.modulate` (float32 precision: every operation in float32, one rounding).
+    """
+    return _run(MODE_MODULATE, x, eps, out_dtype, None, None, table, emb, k_shift, k_scale, False, mean_order,
+                index_limit)[0]
