@@ -56,7 +56,14 @@ MAX_N: Final = 1 << 24
 MODE_PLAIN: Final = 0
 MODE_MODULATE: Final = 1
 #: Which product of ``nA * mean_A + nB * mean_B`` the CUDA build contracts (0: the first; 1: the second; 2: none).
+#: 0 matched ``torch.native_layer_norm`` bitwise on the H200 (torch 2.11) in every row checked
+#: (``benchmarks/kernels/layer_norm_exact.py``: 85 cases, 114,192 rows); 1 and 2 did not.
 MEAN_FMA: Final = 0
+#: Rows per program (the modulation rows are loaded once per program when they are per sample), channels per chunk
+#: of the output pass, warps per program.
+ROWS_PER_PROGRAM: Final = 8
+BLOCK_C: Final = 512
+NUM_WARPS: Final = 8
 
 if TRITON_AVAILABLE:
 
@@ -88,19 +95,23 @@ if TRITON_AVAILABLE:
         return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER)
 
     @triton.jit
-    def _row_stats(x_ptr, row_off, N, eps, NV: tl.constexpr, MEAN_ORDER: tl.constexpr,
+    def _row_stats(x_ptr, rows, live_rows, N, eps, R: tl.constexpr, NV: tl.constexpr, MEAN_ORDER: tl.constexpr,
                    APPROX_RSQRT: tl.constexpr):
-        """(mean, rstd) of one row, in the order of PyTorch's ``compute_stats`` (see the module docstring)."""
+        """(mean, rstd), each ``[R, 1]``, of ``R`` rows in the order of PyTorch's ``compute_stats`` (module docs).
+
+        Each row's 128 thread states are one 128-lane vector; masked-out rows compute on zeros and are not stored.
+        """
         t = tl.arange(0, 128)
-        mean = tl.zeros((128,), tl.float32)
-        m2 = tl.zeros((128,), tl.float32)
-        n = tl.zeros((128,), tl.float32)
+        mean = tl.zeros((R, 128), tl.float32)
+        m2 = tl.zeros((R, 128), tl.float32)
+        n = tl.zeros((R, 128), tl.float32)
         n_vec = N // 4
+        base = rows[:, None] * N
         for i in tl.static_range(NV):
             v_idx = i * 128 + t
-            live = v_idx < n_vec
+            live = live_rows[:, None] & (v_idx < n_vec)[None, :]
             for ii in tl.static_range(4):
-                val = tl.load(x_ptr + row_off + v_idx * 4 + ii, mask=live, other=0.0).to(tl.float32)
+                val = tl.load(x_ptr + base + (v_idx * 4 + ii)[None, :], mask=live, other=0.0).to(tl.float32)
                 delta = val - mean
                 new_n = n + 1.0
                 new_mean = tl.fma(delta, tl.math.div_rn(tl.full(new_n.shape, 1.0, tl.float32), new_n), mean)
@@ -108,64 +119,77 @@ if TRITON_AVAILABLE:
                 mean = tl.where(live, new_mean, mean)
                 m2 = tl.where(live, new_m2, m2)
                 n = tl.where(live, new_n, n)
-        # 4 warps x 32 lanes: shuffle-down within each warp, then warps 2, 3 into 0, 1 and 1 into 0
-        mean, m2, n = _halve(mean, m2, n, 16, 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 8, 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 4, 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 2, 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 1, 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 2, 1, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 1, 1, MEAN_ORDER)
-        # [1, 1] -> [1]: the statistics stay one-element float32 tensors (the interpreter computes scalars in
-        # float64, a tensor in its own dtype), broadcast against the row below
-        mean = tl.reshape(mean, (1,))
-        m2 = tl.reshape(m2, (1,))
-        var = tl.math.div_rn(m2, tl.full((1,), N, tl.float32))
+        # 4 warps x 32 lanes per row: shuffle-down within each warp, then warps 2, 3 into 0, 1 and 1 into 0
+        mean, m2, n = _halve(mean, m2, n, 16, R * 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 8, R * 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 4, R * 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 2, R * 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 1, R * 4, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 2, R, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 1, R, MEAN_ORDER)
+        # the statistics stay float32 tensors ([R, 1]): the interpreter computes scalars in float64
+        var = tl.math.div_rn(m2, tl.full((R, 1), N, tl.float32))
         v = var + eps
         if APPROX_RSQRT:
             rstd = tl.math.rsqrt(v)
         else:
             # the interpreter (CPU): in float64, rounded once (its float32 scalar arithmetic is not reproducible)
-            rstd = (tl.full((1,), 1.0, tl.float64) / tl.sqrt(v.to(tl.float64))).to(tl.float32)
+            rstd = (tl.full((R, 1), 1.0, tl.float64) / tl.sqrt(v.to(tl.float64))).to(tl.float32)
         return mean, rstd
 
     @triton.jit(do_not_specialize=["K0", "K1"])
-    def _ln_kernel(out_ptr, stats_ptr, x_ptr, w_ptr, b_ptr, tbl_ptr, emb_ptr, S, N, eps, t_k, t_c, e_b, e_s, e_k,
+    def _ln_kernel(out_ptr, stats_ptr, x_ptr, w_ptr, b_ptr, tbl_ptr, emb_ptr, M, S, N, eps, t_k, t_c, e_b, e_s, e_k,
                    e_c, K0, K1, MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   OUT_BF16: tl.constexpr, WRITE_STATS: tl.constexpr, NV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   OUT_BF16: tl.constexpr, WRITE_STATS: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
+                   BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                    MEAN_ORDER: tl.constexpr, APPROX_RSQRT: tl.constexpr, INDEX_64: tl.constexpr,
                    SOFTWARE_ROUNDING: tl.constexpr):
-        row = tl.program_id(0)
+        first = tl.program_id(0) * R
+        rows = first + tl.arange(0, R)
         if INDEX_64:  # widen before any multiply by a size or stride
-            row = row.to(tl.int64)
-        row_off = row * N
-        mean, rstd = _row_stats(x_ptr, row_off, N, eps, NV, MEAN_ORDER, APPROX_RSQRT)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(x_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
-        y = rstd * (x - mean)
-        if MODE == 1:
-            b = row // S
-            s = row - b * S
-            shift = _mod_term(tbl_ptr, emb_ptr, b, s, cols, mask, K0, t_k, t_c, e_b, e_s, e_k, e_c, False,
-                              SOFTWARE_ROUNDING)
-            scale = _mod_term(tbl_ptr, emb_ptr, b, s, cols, mask, K1, t_k, t_c, e_b, e_s, e_k, e_c, False,
-                              SOFTWARE_ROUNDING)
-            y = y * (1.0 + scale) + shift
-        else:
-            if HAS_W:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_B:
-                    y = tl.fma(w, y, tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32))
+            first = first.to(tl.int64)
+            rows = rows.to(tl.int64)
+        live_rows = rows < M
+        mean, rstd = _row_stats(x_ptr, rows, live_rows, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT)
+        bs = rows // S
+        ss = rows - bs * S
+        for chunk in tl.static_range(N_CHUNKS):
+            cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = live_rows[:, None] & (cols < N)[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = rstd * (x - mean)
+            if MODE == 1:
+                if ROW_UNIFORM:  # one sample per program and a per-sample modulation: one row of it
+                    bb = first // S
+                    sb = 0
+                    cb = cols[None, :]
+                    mod_mask = (cols < N)[None, :]
                 else:
-                    y = w * y
-            elif HAS_B:
-                y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        store_rounded(out_ptr + row_off + cols, y, mask, OUT_BF16, SOFTWARE_ROUNDING)
+                    bb = bs[:, None]
+                    sb = ss[:, None]
+                    cb = cols[None, :]
+                    mod_mask = mask
+                shift = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mod_mask, K0, t_k, t_c, e_b, e_s, e_k, e_c, False,
+                                  SOFTWARE_ROUNDING)
+                scale = _mod_term(tbl_ptr, emb_ptr, bb, sb, cb, mod_mask, K1, t_k, t_c, e_b, e_s, e_k, e_c, False,
+                                  SOFTWARE_ROUNDING)
+                y = y * (1.0 + scale) + shift
+            else:
+                if HAS_W:
+                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                    if HAS_B:
+                        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                        y = tl.fma(w, y, bias)
+                    else:
+                        y = w * y
+                elif HAS_B:
+                    y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            store_rounded(out_ptr + offs, y, mask, OUT_BF16, SOFTWARE_ROUNDING)
         if WRITE_STATS:
-            one = tl.arange(0, 1)
-            tl.store(stats_ptr + row * 2 + one, mean)
-            tl.store(stats_ptr + row * 2 + 1 + one, rstd)
+            one = tl.arange(0, 1)[None, :]
+            tl.store(stats_ptr + rows[:, None] * 2 + one, mean, mask=live_rows[:, None])
+            tl.store(stats_ptr + rows[:, None] * 2 + 1 + one, rstd, mask=live_rows[:, None])
 
 
 def torch_path_reason(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -209,14 +233,17 @@ def _plan(key: tuple, mode: int, x: torch.Tensor, out_dtype: torch.dtype, has_w:
         t_k = t_c = e_b = e_s = e_k = e_c = 0
         wide = needs_int64(x, extra=x.numel(), limit=index_limit)
     nv = -(-(n // VEC) // THREADS)
+    block_c = min(BLOCK_C, max(16, 1 << (n - 1).bit_length()))
     kwargs = dict(MODE=mode, HAS_W=has_w, HAS_B=has_b, OUT_BF16=out_dtype == torch.bfloat16, WRITE_STATS=stats,
-                  NV=nv, BLOCK_N=max(16, 1 << (n - 1).bit_length()), MEAN_ORDER=mean_order,
+                  NV=nv, R=ROWS_PER_PROGRAM, BLOCK_C=block_c, N_CHUNKS=-(-n // block_c),
+                  ROW_UNIFORM=table is not None and e_s == 0 and s % ROWS_PER_PROGRAM == 0, MEAN_ORDER=mean_order,
                   APPROX_RSQRT=x.device.type == "cuda", INDEX_64=wide, SOFTWARE_ROUNDING=software_rounding(),
-                  **launch_options())
+                  **launch_options(NUM_WARPS))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    plan = KernelLauncher(_ln_kernel, (rows,), n_pointers=7, fixed=(s, n, float(eps), t_k, t_c, e_b, e_s, e_k, e_c),
-                          constexprs=kwargs)
+    grid = (-(-rows // ROWS_PER_PROGRAM),)
+    plan = KernelLauncher(_ln_kernel, grid, n_pointers=7,
+                          fixed=(rows, s, n, float(eps), t_k, t_c, e_b, e_s, e_k, e_c), constexprs=kwargs)
     _PLANS[key] = plan
     return plan
 
