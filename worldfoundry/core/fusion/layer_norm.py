@@ -114,7 +114,9 @@ if TRITON_AVAILABLE:
                 val = tl.load(x_ptr + base + (v_idx * 4 + ii)[None, :], mask=live, other=0.0).to(tl.float32)
                 delta = val - mean
                 new_n = n + 1.0
-                new_mean = tl.fma(delta, tl.math.div_rn(tl.full(new_n.shape, 1.0, tl.float32), new_n), mean)
+                # every live lane holds the same count at this step (i * 4 + ii + 1): one IEEE reciprocal serves all
+                recip = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32), tl.full((1, 1), i * 4 + ii + 1, tl.float32))
+                new_mean = tl.fma(delta, recip, mean)
                 new_m2 = tl.fma(delta, val - new_mean, m2)
                 mean = tl.where(live, new_mean, mean)
                 m2 = tl.where(live, new_m2, m2)
