@@ -34,10 +34,11 @@ def _wan(layers: int) -> torch.nn.Module:
     return apply_dtype_policy(model, torch.bfloat16).eval()
 
 
-def _check(model: torch.nn.Module, name: str, inputs: dict[str, Any], registry: Any, blocks: int) -> dict[str, Any]:
+def _check(model: torch.nn.Module, name: str, inputs: dict[str, Any], registry: Any, blocks: int,
+           options: dict[str, Any] | None = None) -> dict[str, Any]:
     with torch.inference_mode():
         dense = model(**inputs)[0]
-        session = install_diffusion_accelerations(model, {name: {}}, registry=registry)
+        session = install_diffusion_accelerations(model, {name: options or {}}, registry=registry)
         with request_scope(RequestContext("gpu")):
             fused = model(**inputs)[0]
         record = session.execution_report()["plugins"][name]["model"]["requests"]["gpu"]
@@ -78,6 +79,14 @@ def test_w17_whole_model_bitwise() -> None:
 def test_w81_two_blocks_bitwise() -> None:
     record = _check(_wan(2), "wan_block_fusion", _wan_inputs(21, 60, 104), _registry(), 2)
     assert record["fallbacks"] == {}
+
+
+@pytest.mark.parametrize("workload,blocks", [((5, 40, 72), 30), ((21, 60, 104), 2)])
+def test_layer_norm_chain_bitwise_to_pytorchs_cuda_layer_norm(workload: tuple[int, int, int], blocks: int) -> None:
+    chains = ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]
+    record = _check(_wan(blocks), "wan_block_fusion", _wan_inputs(*workload), _registry(), blocks,
+                    {"chains": chains})
+    assert record["fallbacks"] == {} and record["counters"]["layer_norm"] == 3 * blocks
 
 
 def test_sana_video_480p_two_blocks_bitwise() -> None:

@@ -17,14 +17,21 @@ from worldfoundry.errors import (
     AccelerationRefusedError,
     ModelBusyError,
 )
-from worldfoundry_block_fusion.options import SANA_CHAINS, WAN_CHAINS, SanaOptions, WanOptions
+from worldfoundry_block_fusion.options import (
+    SANA_CHAINS,
+    WAN_CHAINS,
+    WAN_DEFAULT_CHAINS,
+    SanaOptions,
+    WanOptions,
+)
 
 
 def test_options_defaults_and_errors() -> None:
-    assert WanOptions.from_mapping({}).chains == WAN_CHAINS
+    assert WanOptions.from_mapping({}).chains == WAN_DEFAULT_CHAINS
+    assert set(WAN_CHAINS) - set(WAN_DEFAULT_CHAINS) == {"layer_norm"}  # opt-in
     assert SanaOptions.from_mapping(None).chains == SANA_CHAINS
     assert WanOptions.from_mapping({"blocks": [2, 0], "min_tokens": 64}).to_json() == {
-        "chains": list(WAN_CHAINS), "min_tokens": 64, "blocks": [2, 0]}
+        "chains": list(WAN_DEFAULT_CHAINS), "min_tokens": 64, "blocks": [2, 0]}
     cases = [({"chain": ["rope"]}, "unknown option"), ({"chains": ["linear_attention"]}, "chains\\[0\\]"),
              ({"chains": []}, "chains"), ({"chains": ["rope", "rope"]}, "twice"), ({"min_tokens": -1}, "min_tokens"),
              ({"blocks": [-1]}, "blocks\\[0\\]"), ({"chains": ["float_carry"]}, "float_carry needs")]

@@ -203,3 +203,73 @@ def test_modulation_check_is_remembered_per_block_and_per_forward_and_equals_the
                     assert runtime.modulation_reason(stream, table, temb, checked) == expected
     assert runtime.modulation_reason(x, tables[0], tembs[0], checked) is None
     assert checked[0] is tables[0] and runtime.temb_checked[0] is tembs[0]
+
+
+LN_CHAINS = ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]
+
+
+@pytest.fixture
+def cuda_layer_norm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager's LayerNorm computed with PyTorch's CUDA algorithm (the step-by-step reference) and the chain allowed on
+    the CPU, so that the fused block and eager compute the same algorithm here; the GPU test compares against
+    PyTorch's own CUDA LayerNorm."""
+    import torch.nn.functional as F
+
+    from worldfoundry.core.fusion.layer_norm_reference import reference_layer_norm
+    from worldfoundry_block_fusion import eligibility
+
+    def cuda_algorithm(x, shape, weight=None, bias=None, eps=1e-5):  # noqa: ANN001, ANN202
+        assert tuple(shape) == (x.shape[-1],)
+        return reference_layer_norm(x, eps, weight, bias, out_dtype=x.dtype)
+
+    monkeypatch.setattr(F, "layer_norm", cuda_algorithm)
+    monkeypatch.setattr(eligibility, "NORM_DEVICES", ("cuda", "cpu"))
+
+
+def test_layer_norm_chain_is_bitwise_and_counted(cuda_layer_norm_on_cpu: None) -> None:
+    model = build_wan()
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model, {"chains": LN_CHAINS})
+    out = run(model, inputs, "r1")
+    assert torch.equal(out, dense)
+    record = record_of(session, "r1")
+    assert record["fallbacks"] == {}
+    # norm1, norm2 and norm3 of both blocks; no float32 stream is carried beside it
+    assert record["counters"]["layer_norm"] == 6 and record["counters"]["modulate"] == 4
+    assert record["counters"].get("float_carry", 0) == 0
+    session.uninstall()
+    assert torch.equal(run(model, inputs), dense)
+
+
+def test_layer_norm_chain_without_modulate_fuses_norm2_only(cuda_layer_norm_on_cpu: None) -> None:
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model, {"chains": ["layer_norm", "gated_residual"]})
+    assert torch.equal(run(model, inputs, "r1"), dense)
+    assert record_of(session, "r1")["counters"]["layer_norm"] == 1
+    session.uninstall()
+
+
+def test_layer_norm_chain_falls_back_on_the_cpu_and_for_a_hooked_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worldfoundry_block_fusion import eligibility
+
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    dense = run(model, inputs)
+    session = install(model, {"chains": LN_CHAINS})
+    assert torch.equal(run(model, inputs, "r1"), dense)  # PyTorch's CPU LayerNorm is another algorithm
+    record = record_of(session, "r1")
+    assert record["fallbacks"] == {eligibility.REASON_NORM_DEVICE: 3} and record["modules"]["blocks.0"]["modulate"] == 2
+    monkeypatch.setattr(eligibility, "NORM_DEVICES", ("cuda", "cpu"))
+    seen = []
+    handle = model.blocks[0].norm3.register_forward_hook(lambda m, a, out: seen.append(1))
+    try:
+        run(model, inputs, "r2")
+    finally:
+        handle.remove()
+    record = record_of(session, "r2")
+    assert seen == [1] and record["counters"]["layer_norm"] == 2
+    assert record["fallbacks"] == {"layer_norm: the norm module is wrapped or hooked (it runs as a module)": 1}
+    session.uninstall()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Final
@@ -10,6 +11,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module_globals
 
+from worldfoundry.core.fusion.layer_norm import MAX_N as LN_MAX_N
+from worldfoundry.core.fusion.layer_norm import VEC as LN_VEC
 from worldfoundry.core.fusion.triton_support import SUPPORTED_DTYPES, unavailable_reason
 
 REASON_GRAD: Final = "grad mode enabled (the kernels are inference-only; run under torch.no_grad()/inference_mode())"
@@ -18,6 +21,10 @@ REASON_LAYOUT: Final = "hidden_states is not a contiguous [B, S, C] tensor"
 REASON_TOKENS: Final = "fewer tokens than min_tokens"
 REASON_TEMB: Final = "timestep embedding layout not [B, 6, C] / [B, T, 6, C] with T in (1, S)"
 REASON_TABLE: Final = "scale_shift_table is not a floating [.., 6, C] tensor"
+REASON_NORM_DEVICE: Final = ("layer_norm: cpu tensor (the kernel reproduces PyTorch's CUDA LayerNorm; the CPU runs "
+                              "another algorithm)")
+#: Devices whose PyTorch LayerNorm is the algorithm :mod:`worldfoundry.core.fusion.layer_norm` reproduces.
+NORM_DEVICES: tuple[str, ...] = ("cuda",)
 REASON_ROTARY: Final = "rotary embedding is not a (cos, sin) pair of [1|B, S, 1, D] float tensors"
 
 
@@ -84,6 +91,45 @@ def rotary_reason(query: torch.Tensor, rotary_emb: Any) -> str | None:
     return None
 
 
+def norm_reason(norm: nn.Module, x: torch.Tensor, *, affine: bool) -> str | None:
+    """Why the reproduced LayerNorm kernel cannot stand in for ``norm(x.float())`` here (``None`` when it can).
+
+    ``norm`` must be diffusers' ``FP32LayerNorm`` (or ``nn.LayerNorm`` with float32 parameters) over the last
+    dimension, unwrapped and unhooked (nothing would run that eager runs), with (``affine``) or without weight and
+    bias, on a device whose PyTorch LayerNorm is the reproduced algorithm (:data:`NORM_DEVICES`), and PyTorch must be
+    about to take its vectorized kernel (:func:`~worldfoundry.core.fusion.layer_norm.torch_path_reason`): width a
+    multiple of 4 up to 2^24, the float32 operands eager hands it 16-byte aligned. Those operands are the stream
+    (a fresh copy unless it is float32 already) and ``weight.float()`` / ``bias.float()`` (fresh unless float32).
+    """
+    if type(norm) not in _layer_norm_types():
+        return f"layer_norm: {type(norm).__name__} is not FP32LayerNorm / LayerNorm"
+    if x.device.type not in NORM_DEVICES:
+        return REASON_NORM_DEVICE
+    if "forward" in vars(norm) or norm._forward_hooks or norm._forward_pre_hooks or not no_global_hooks():
+        return "layer_norm: the norm module is wrapped or hooked (it runs as a module)"
+    weight, bias = norm.weight, norm.bias
+    n = x.shape[-1]
+    if tuple(norm.normalized_shape) != (n,) or (weight is not None) != affine or (bias is not None) != affine:
+        return "layer_norm: normalized shape or affine parameters not as Wan's"
+    if type(norm) is nn.LayerNorm and weight is not None and weight.dtype != torch.float32:
+        return "layer_norm: LayerNorm parameters not float32"
+    if n % LN_VEC or n > LN_MAX_N:
+        return f"layer_norm: width {n} (PyTorch's vectorized kernel needs a multiple of 4 up to 2^24)"
+    if x.dtype == torch.float32 and x.data_ptr() % (LN_VEC * 4):
+        return "layer_norm: float32 stream not 16-byte aligned (PyTorch takes another kernel)"
+    for t in (weight, bias):
+        if t is not None and t.dtype == torch.float32 and (t.data_ptr() % (LN_VEC * 4) or not t.is_contiguous()):
+            return "layer_norm: float32 weight or bias not contiguous and 16-byte aligned"
+    return None
+
+
+@functools.cache
+def _layer_norm_types() -> tuple[type, ...]:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return (FP32LayerNorm, nn.LayerNorm)
+
+
 def no_global_hooks() -> bool:
     """No process-wide module forward hooks (they would run between blocks)."""
     return not (_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
@@ -133,6 +179,7 @@ __all__ = [
     "FloatCarry",
     "modulation_reason",
     "no_global_hooks",
+    "norm_reason",
     "rotary_reason",
     "stream_reason",
     "table_reason",

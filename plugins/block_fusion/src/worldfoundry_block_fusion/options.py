@@ -4,6 +4,7 @@ Spec::
 
     {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"],
                           "min_tokens": 0, "blocks": null}}
+    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]}}
     {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention", "glu"]}}
 
 Example:
@@ -25,8 +26,13 @@ SANA_NAME: Final = "sana_block_fusion"
 #: split folded in), ``gated_residual`` (``(x.float() + y * gate).type_as(x)`` after self-attention and FFN),
 #: ``cross_residual`` (``x + cross_attention(x)``), ``rope`` (Q/K rotary after the across-heads RMSNorm, one launch
 #: for both), ``float_carry`` (the residual kernels also write the float32 stream the next LayerNorm reads, so the
-#: eager ``hidden_states.float()`` casts do not run).
-WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry")
+#: eager ``hidden_states.float()`` casts do not run), ``layer_norm`` (opt-in: ``norm1``/``norm3`` and their
+#: modulation as one kernel, ``norm2`` and its cast as one kernel, reproducing PyTorch's CUDA LayerNorm bitwise --
+#: :mod:`worldfoundry.core.fusion.layer_norm`; it reads the stream itself, so ``float_carry`` has nothing to do
+#: beside it and is not used).
+WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "layer_norm")
+#: The chains a spec without ``chains`` fuses (``layer_norm`` is opt-in: see ``docs/block_fusion.md``).
+WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry")
 #: SANA-Video chains: ``modulate``, ``gated_residual``, ``cross_residual`` as for Wan (rounded per operation, as
 #: eager's bfloat16 arithmetic), ``linear_attention`` (ReLU + rotary + float casts of Q/K/V, and the final
 #: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor), ``glu`` (the
@@ -39,7 +45,8 @@ class WanOptions(PluginOptions):
     """Options of ``wan_block_fusion``.
 
     Attributes:
-        chains: which chains run fused (default: all); the others run as eager's torch operations.
+        chains: which chains run fused (default: all but the opt-in ``layer_norm``); the others run as eager's
+            torch operations.
         min_tokens: blocks called with fewer tokens per sample run the original forward (counted as fallbacks).
         blocks: indices of the blocks to fuse (default: every block).
     """
@@ -47,7 +54,7 @@ class WanOptions(PluginOptions):
     plugin_name: ClassVar[str] = WAN_NAME
     known_chains: ClassVar[tuple[str, ...]] = WAN_CHAINS
 
-    chains: tuple[str, ...] = option(WAN_CHAINS, sequence_of(choice(*WAN_CHAINS), min_items=1, unique=True))
+    chains: tuple[str, ...] = option(WAN_DEFAULT_CHAINS, sequence_of(choice(*WAN_CHAINS), min_items=1, unique=True))
     min_tokens: int = option(0, integer(min=0, max=2**40))
     blocks: tuple[int, ...] | None = option(None, optional(sequence_of(integer(min=0, max=100_000), min_items=1,
                                                                        unique=True)))
@@ -71,4 +78,4 @@ class SanaOptions(PluginOptions):
                                                                        unique=True)))
 
 
-__all__ = ["SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]
+__all__ = ["SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_DEFAULT_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]

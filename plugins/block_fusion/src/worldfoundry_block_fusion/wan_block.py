@@ -13,7 +13,13 @@ chain                  eager                                                    
 ``cross_residual``     ``x + attn2(...)``                                          1 kernel
 ``float_carry``        ``x.float()`` before norm2, norm3 and the next norm1         written by the kernel above
 ``rope``               eight kernels for each of Q and K                           1 kernel for both
+``layer_norm``         ``norm1``/``norm3`` + ``modulate``; ``norm2`` + its cast    1 kernel each (opt-in)
 =====================  ==========================================================  ===========================
+
+With ``layer_norm`` the LayerNorms themselves run in the fused kernels, reproducing PyTorch's CUDA LayerNorm
+algorithm bitwise (:mod:`worldfoundry.core.fusion.layer_norm`) and reading the stream directly (no float32 carry
+is written). A norm that is wrapped, hooked, of another class or on a device whose LayerNorm is another algorithm
+runs as its module (counted as a ``layer_norm`` fallback with the reason).
 
 A call that cannot take the fused path (CPU without Triton's interpreter, grad mode, an unsupported dtype or
 layout, fewer tokens than ``min_tokens``) runs the original forward and is counted as a fallback with its reason.
@@ -32,12 +38,14 @@ from diffusers.models.transformers import transformer_wan
 from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
 from worldfoundry.core.fusion.launch import precompile
+from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
     FloatCarry,
+    norm_reason,
     rotary_reason,
     stream_reason,
     table_reason,
@@ -47,6 +55,7 @@ from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
     FLOAT_CARRY,
     GATED_RESIDUAL,
+    LAYER_NORM,
     MODULATE,
     ROPE,
     BlockCounts,
@@ -67,7 +76,9 @@ class WanBlockRuntime:
         self.gate = "gated_residual" in chains
         self.cross = "cross_residual" in chains
         self.rope = "rope" in chains
-        self.carry_enabled = "float_carry" in chains
+        self.norms = "layer_norm" in chains
+        # the fused LayerNorms read the stream itself: no float32 copy of it is needed
+        self.carry_enabled = "float_carry" in chains and not self.norms
         self.carry = FloatCarry()
         self._next = {id(block): (blocks[i + 1][1] if i + 1 < len(blocks) else None)
                       for i, (_, block) in enumerate(blocks)}
@@ -104,8 +115,9 @@ class WanBlockRuntime:
                     self.counters.switch(counts, rid)
                 if not self.precompiled:
                     self.precompile(block, hidden_states, temb, rotary_emb, table)
+                norms = self.fused_norms(block, hidden_states, path) if self.norms else (False, False, False)
                 return self.block_forward(block, counts.counts, hidden_states, encoder_hidden_states, temb,
-                                          rotary_emb, table)
+                                          rotary_emb, table, norms)
 
             return forward
 
@@ -154,6 +166,8 @@ class WanBlockRuntime:
                     gated_residual(like, like, table, temb, 2, with_float=carry)
                 if self.cross:
                     residual_add(like, like, with_float=carry)
+                if self.norms:
+                    self._precompile_norms(block, like, table, temb)
                 heads = getattr(getattr(block, "attn1", None), "heads", None)
                 if self.rope and type(rotary_emb) is tuple and len(rotary_emb) == 2 and heads:
                     q = torch.empty((*x.shape[:2], heads, x.shape[2] // heads), dtype=x.dtype, device=x.device)
@@ -163,51 +177,52 @@ class WanBlockRuntime:
             logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
                            type(exc).__name__, exc)
 
+    @staticmethod
+    def _precompile_norms(block: nn.Module, like: torch.Tensor, table: torch.Tensor, temb: torch.Tensor) -> None:
+        """Record the fused LayerNorm variants the ``layer_norm`` chain launches (see :meth:`precompile`)."""
+        layer_norm_modulate(like, block.norm1.eps, table, temb, 0, 1, out_dtype=like.dtype)
+        norm2 = block.norm2
+        if getattr(norm2, "weight", None) is not None:
+            layer_norm(like, norm2.eps, norm2.weight, norm2.bias, out_dtype=like.dtype)
+
     def block_forward(self, block: nn.Module, counts: list[int], x: torch.Tensor,
                       encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
-                      full_table: torch.Tensor) -> torch.Tensor:
+                      full_table: torch.Tensor, norms: tuple[bool, bool, bool] = (False, False, False)) -> torch.Tensor:
         """The block's forward with fused pointwise chains (the checks of :meth:`make_block_forward` passed).
 
-        ``counts`` are the block's plain counters (:class:`~worldfoundry_block_fusion.handle.BlockCounts`).
+        ``counts`` are the block's plain counters (:class:`~worldfoundry_block_fusion.handle.BlockCounts`);
+        ``norms`` says which of ``norm1``, ``norm2``, ``norm3`` run in the fused LayerNorm kernels. The float32
+        stream ``xf`` is computed only where an eager operation reads it.
         """
         table = full_table[0]
         carry = self.carry_enabled and x.dtype != torch.float32
         mods = None if (self.modulate and self.gate) else _eager_modulation(full_table, temb)
         xf = self.carry.take(x, block) if carry else None
-        if xf is None:
-            xf = x.float()
-        else:
+        if xf is not None:
             counts[FLOAT_CARRY] += 1  # counted where a carried float32 stream replaces a .float() cast
         # 1. self-attention
-        n = block.norm1(xf)
-        if self.modulate:
-            h = modulate(n, table, temb, 0, 1, out_dtype=x.dtype)[0]
-            counts[MODULATE] += 1
-        else:
-            h = (n * (1 + mods[1]) + mods[0]).type_as(x)
+        h, xf = self._modulated(block.norm1, norms[0], x, xf, table, temb, 0, 1, mods, counts)
         attn = block.attn1(h, None, None, rotary_emb)
         x, xf = self._gate(x, xf, attn, table, full_table, temb, 2, mods, carry, counts)
-        if xf is None:
-            xf = x.float()
         # 2. cross-attention
-        h = block.norm2(xf).type_as(x)
+        if norms[1]:
+            norm2 = block.norm2
+            h = layer_norm(x, norm2.eps, norm2.weight, norm2.bias, out_dtype=x.dtype)[0]
+            counts[LAYER_NORM] += 1
+        else:
+            xf = x.float() if xf is None else xf
+            h = block.norm2(xf).type_as(x)
         attn = block.attn2(h, encoder_hidden_states, None, None)
         if self.cross and attn.dtype == x.dtype and attn.shape == x.shape:
-            x, carried = residual_add(x, attn, with_float=carry)
-            xf = carried if carried is not None else x.float()
+            x, xf = residual_add(x, attn, with_float=carry)
             counts[CROSS_RESIDUAL] += 1
             if carry:
                 counts[FLOAT_CARRY] += 1
         else:
             x = x + attn
-            xf = x.float()
+            xf = None
         # 3. feed-forward
-        n = block.norm3(xf)
-        if self.modulate:
-            h = modulate(n, table, temb, 3, 4, out_dtype=x.dtype)[0]
-            counts[MODULATE] += 1
-        else:
-            h = (n * (1 + mods[4]) + mods[3]).type_as(x)
+        h, xf = self._modulated(block.norm3, norms[2], x, xf, table, temb, 3, 4, mods, counts)
         ff = block.ffn(h)
         consumer = self._next[id(block)] if carry else None
         # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
@@ -215,6 +230,38 @@ class WanBlockRuntime:
         if consumer is not None and xf is not None:
             self.carry.put(x, xf, block, consumer)
         return x
+
+    def _modulated(self, norm: nn.Module, fused: bool, x: torch.Tensor, xf: torch.Tensor | None,
+                   table: torch.Tensor, temb: torch.Tensor, k_shift: int, k_scale: int,
+                   mods: list[torch.Tensor] | None, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(norm(x.float()) * (1 + scale) + shift).type_as(x)`` and the float32 stream (computed if it ran)."""
+        if fused:
+            counts[LAYER_NORM] += 1
+            counts[MODULATE] += 1
+            return layer_norm_modulate(x, norm.eps, table, temb, k_shift, k_scale, out_dtype=x.dtype), xf
+        if xf is None:
+            xf = x.float()
+        n = norm(xf)
+        if self.modulate:
+            counts[MODULATE] += 1
+            return modulate(n, table, temb, k_shift, k_scale, out_dtype=x.dtype)[0], xf
+        return (n * (1 + mods[k_scale]) + mods[k_shift]).type_as(x), xf
+
+    def fused_norms(self, block: nn.Module, x: torch.Tensor, path: str) -> tuple[bool, bool, bool]:
+        """Which of the block's three norms the ``layer_norm`` chain computes in this call; each that cannot is
+        counted as a fallback with its reason (``norm1``/``norm3`` also need the ``modulate`` chain, and an
+        ``nn.Identity`` ``norm2`` -- no cross-attention norm -- has nothing to fuse)."""
+        fused = []
+        for norm, affine, with_mod in ((block.norm1, False, True), (block.norm2, True, False),
+                                       (block.norm3, False, True)):
+            if (with_mod and not self.modulate) or type(norm) is nn.Identity:
+                fused.append(False)
+                continue
+            reason = norm_reason(norm, x, affine=affine)
+            if reason is not None:
+                self.counters.fallback(path, reason)
+            fused.append(reason is None)
+        return fused[0], fused[1], fused[2]
 
     def _gate(self, x: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, table: torch.Tensor,
               full_table: torch.Tensor, temb: torch.Tensor, k: int, mods: list[torch.Tensor] | None, carry: bool,
@@ -231,7 +278,7 @@ class WanBlockRuntime:
             return out, (out if out.dtype == torch.float32 else None)  # a float32 stream is its own float value
         if mods is None:
             mods = _eager_modulation(full_table, temb)
-        out = (xf + y.float() * mods[k]).type_as(x)
+        out = ((x.float() if xf is None else xf) + y.float() * mods[k]).type_as(x)
         return out, None
 
     # ------------------------------------------------------------------ the self-attention processor
