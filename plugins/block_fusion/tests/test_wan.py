@@ -273,3 +273,28 @@ def test_layer_norm_chain_falls_back_on_the_cpu_and_for_a_hooked_norm(monkeypatc
     assert seen == [1] and record["counters"]["layer_norm"] == 2
     assert record["fallbacks"] == {"layer_norm: the norm module is wrapped or hooked (it runs as a module)": 1}
     session.uninstall()
+
+
+def test_precompile_covers_the_layer_norm_variants(cuda_layer_norm_on_cpu: None, monkeypatch) -> None:  # noqa: ANN001
+    from worldfoundry.core.fusion import adaln, layer_norm, rope
+    from worldfoundry_block_fusion.wan_block import WanBlockRuntime
+
+    model = build_wan()
+    inputs = wan_inputs()
+    session = install(model, {"chains": LN_CHAINS})
+    seen: list[set] = []
+    original = WanBlockRuntime.precompile
+
+    def spy(self, *args):  # noqa: ANN001, ANN202
+        original(self, *args)
+        seen.append(set(adaln._PLANS) | set(rope._PLANS) | set(layer_norm._PLANS))
+
+    monkeypatch.setattr(WanBlockRuntime, "precompile", spy)
+    for plans in (adaln._PLANS, rope._PLANS, layer_norm._PLANS):
+        plans.clear()
+    run(model, inputs, "r1")
+    # gated residual, cross residual, rotary, LayerNorm + modulation, LayerNorm + affine + cast, and the modulate
+    # kernel a norm that falls back would use
+    assert len(seen) == 1 and len(seen[0]) == 6
+    assert set(adaln._PLANS) | set(rope._PLANS) | set(layer_norm._PLANS) == seen[0]
+    session.uninstall()
