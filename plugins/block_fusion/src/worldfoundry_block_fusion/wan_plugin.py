@@ -44,7 +44,10 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy 
             counters, opts.chains, opts.min_tokens, list(plan.blocks))),
         options=opts.to_json(),
         exact=True,
-        notes=(f"fused chains: {', '.join(fused)}; LayerNorm/RMSNorm, attention, GEMMs and GELU stay torch calls",
+        notes=(f"fused chains: {', '.join(fused)}; "
+               + ("LayerNorm in the kernels (PyTorch's CUDA algorithm reproduced; CPU calls run the norm modules); "
+                  "RMSNorm, attention, GEMMs and GELU stay torch calls" if "layer_norm" in opts.chains
+                  else "LayerNorm/RMSNorm, attention, GEMMs and GELU stay torch calls"),
                "bitwise to eager: the same operations in the same precision and order, no FMA contraction",
                kernel_note()),
     )
