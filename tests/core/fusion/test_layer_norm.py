@@ -123,3 +123,17 @@ def test_kernel_is_pytorch_cuda_layer_norm_bitwise(rows: int, n: int) -> None:
     shift, scale = (table + emb.float()).chunk(6, dim=1)[:2]
     eager = (F.layer_norm(xb.float(), (n,), eps=1e-6) * (1 + scale) + shift).type_as(xb)
     assert _bits_equal(layer_norm_modulate(xb, 1e-6, table[0], emb, 0, 1, out_dtype=BF16), eager)
+
+
+@needs_interpreter
+def test_one_geometry_with_weights_of_two_dtypes_gets_two_plans() -> None:
+    from worldfoundry.core.fusion import layer_norm as module
+
+    x = torch.randn(3, 96)
+    w, b = torch.randn(96), torch.randn(96)
+    module._PLANS.clear()
+    first = layer_norm(x, 1e-6, w, b)[0]
+    second = layer_norm(x, 1e-6, w.to(BF16), b.to(BF16))[0]
+    assert len(module._PLANS) == 2
+    assert _bits_equal(first, reference_layer_norm(x, 1e-6, w, b))
+    assert _bits_equal(second, reference_layer_norm(x, 1e-6, w.to(BF16), b.to(BF16)))

@@ -254,8 +254,9 @@ def _run(mode: int, x: torch.Tensor, eps: float, out_dtype: torch.dtype, weight:
          bias: torch.Tensor | None, table: torch.Tensor | None, emb: torch.Tensor | None, k0: int, k1: int,
          stats: bool, mean_order: int, index_limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     geometry = None if table is None else (table.dtype, table.stride(), emb.dtype, emb.shape, emb.stride())
-    key = (mode, x.dtype, x.shape, x.device.type, out_dtype, weight is not None, bias is not None, geometry, eps,
-           stats, mean_order, index_limit)
+    # every pointer's dtype is part of the key: a plan's compiled kernels are specialised on them
+    key = (mode, x.dtype, x.shape, x.device.type, out_dtype, None if weight is None else weight.dtype,
+           None if bias is None else bias.dtype, geometry, eps, stats, mean_order, index_limit)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(key, mode, x, out_dtype, weight is not None, bias is not None, table, emb, eps, stats,
