@@ -51,7 +51,8 @@ DEFAULT_SPACE: dict[str, Any] = {
     "wan_cross_kv_fusion": {"choices": [{"min_tokens": 0}]},
     "optimized_mha": {"choices": [{"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}},
                                   {"self": {"fusion": "qkv"}}]},
-    "wan_block_fusion": {"cuda_only": True, "choices": [{}]},
+    "wan_block_fusion": {"cuda_only": True, "choices": [
+        {}, {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]}]},
     "cuda_graph": {"cuda_only": True, "choices": [{}]},
 }
 DEFAULT_WORKLOAD: dict[str, Any] = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9,
