@@ -35,7 +35,7 @@ from typing import Final
 
 import torch
 
-from worldfoundry.core.fusion.adaln import _emb4, _mod_term
+from worldfoundry.core.fusion.adaln import _emb4
 from worldfoundry.core.fusion.indexing import INT32_MAX, needs_int64
 from worldfoundry.core.fusion.launch import KernelLauncher
 from worldfoundry.core.fusion.triton_support import (
@@ -66,6 +66,7 @@ BLOCK_C: Final = 512
 NUM_WARPS: Final = 8
 
 if TRITON_AVAILABLE:
+    from worldfoundry.core.fusion.adaln import _mod_term
 
     @triton.jit
     def _combine(b_mean, b_m2, b_n, a_mean, a_m2, a_n, MEAN_ORDER: tl.constexpr):
