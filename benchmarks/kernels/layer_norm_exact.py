@@ -9,6 +9,9 @@
    ``(norm1(x.float()) * (1 + scale) + shift).type_as(x)``, bitwise, at W17 and W81 token counts.
 3. **Speed** (median of CUDA-event timings): eager (LayerNorm + PyTorch's modulate ops), the block-fusion path today
    (LayerNorm + the ``modulate`` kernel) and the fused kernel, at W17 and W81.
+4. **RMSNorm** (``rms_norm``, the same kernel with PyTorch's RMS statistics) against ``F.rms_norm`` on CUDA: widths
+   12 to 5,120 and Wan's ``norm_q``/``norm_k`` (3,600 and 32,760 rows of 1,536), bfloat16 and float32, with and
+   without weight: rows whose bits differ.
 
     python benchmarks/kernels/layer_norm_exact.py --out $OUT        # H200, under a minute
     python benchmarks/kernels/layer_norm_exact.py --smoke           # CPU, TRITON_INTERPRET=1, small rows
@@ -31,8 +34,8 @@ import torch.nn.functional as F
 
 from worldfoundry.bench.microbench import provenance
 from worldfoundry.core.fusion.adaln import modulate
-from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
-from worldfoundry.core.fusion.layer_norm_reference import reference_layer_norm
+from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate, rms_norm
+from worldfoundry.core.fusion.layer_norm_reference import reference_layer_norm, reference_rms_norm
 
 WIDTHS = (12, 96, 128, 640, 768, 1536, 2048, 3072, 5120)
 ROWS = {"W17": 3600, "W81": 32760}
@@ -70,6 +73,28 @@ def check(case: dict[str, Any], mean_order: int, device: torch.device) -> dict[s
         ref = reference_layer_norm(x, case["eps"], w, b, mean_order=mean_order)
         result["reference"] = rows_bad(out, ref)
     return result
+
+
+def rms_cases(smoke: bool) -> list[dict[str, Any]]:
+    out = []
+    for n in WIDTHS[:5] if smoke else WIDTHS:
+        for dtype in ("bfloat16", "float32"):
+            for weight in (False, True):
+                out.append({"rows": 8 if smoke else 512, "n": n, "dtype": dtype, "weight": weight})
+    if not smoke:
+        out += [{"rows": rows, "n": 1536, "dtype": "bfloat16", "weight": True, "label": label}
+                for label, rows in ROWS.items()]
+    return out
+
+
+def check_rms(case: dict[str, Any], device: torch.device) -> int:
+    g = torch.Generator(device=device).manual_seed(case["n"] * 3 + case["rows"])
+    dtype = getattr(torch, case["dtype"])
+    x = (torch.randn(case["rows"], case["n"], device=device, generator=g) * 3).to(dtype)
+    w = torch.randn(case["n"], device=device, generator=g).to(dtype) if case["weight"] else None
+    out = rms_norm(x, 1e-6, w)[0]
+    ref = F.rms_norm(x, (case["n"],), w, 1e-6) if device.type == "cuda" else reference_rms_norm(x, 1e-6, w)
+    return int((out.view(torch.uint8) != ref.view(torch.uint8)).reshape(out.shape[0], -1).any(1).sum())
 
 
 def eager_modulate(x: torch.Tensor, table: torch.Tensor, temb: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,6 +152,7 @@ def main() -> None:
     best = min(data["exactness"], key=lambda m: sum(r["out"] + r["mean"] + r["rstd"] for r in data["exactness"][m]))
     labels = {"W17": 3600, "W81": 32760} if not args.smoke else {"smoke": 16}
     data["adaln"] = [adaln_part(label, rows, best, device) for label, rows in labels.items()]
+    data["rms"] = [{**case, "rows_differing": check_rms(case, device)} for case in rms_cases(args.smoke)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "layer_norm_exact.json").write_text(json.dumps(data, indent=2, default=str))
@@ -143,6 +169,10 @@ def main() -> None:
                 print(f"    differs: n={r['n']} rows={r['rows']} scale={r['scale']} offset={r['offset']} "
                       f"affine={r['affine']} bf16={r['bf16_input']}: {r['out']}/{r['mean']}/{r['rstd']}")
                 break
+    rms = data["rms"]
+    print(f"\nRMSNorm: {len(rms)} cases, {sum(c['rows'] for c in rms)} rows, rows differing from "
+          f"{'F.rms_norm' if device.type == 'cuda' else 'the reference'}: {sum(c['rows_differing'] for c in rms)}; "
+          f"cases all equal: {sum(1 for c in rms if c['rows_differing'] == 0)}")
     print(f"\nAdaLN form (mean_order {best}):")
     for a in data["adaln"]:
         ms = ", ".join(f"{k} {v:.4f} ms" for k, v in a["ms"].items())

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate, torch_path_reason
+from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate, rms_norm, torch_path_reason
 from worldfoundry.core.fusion.layer_norm_reference import (
     fma32,
     reference_layer_norm,
     reference_layer_norm_modulate,
+    reference_rms_norm,
     reference_row_stats,
 )
 from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
@@ -61,6 +62,26 @@ def test_layer_norm_modulate_is_wans_eager_expression(shape, emb_shape, limit: i
     assert _bits_equal(out, reference_layer_norm_modulate(x, 1e-6, table, emb, 3, 4, out_dtype=BF16))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("n", [12, 640, 1536])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_matches_the_reference_bitwise(n: int, dtype: torch.dtype, with_weight: bool) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(11, n, generator=g) * 3).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype) if with_weight else None
+    out, stats = rms_norm(x, 1e-6, w, stats=True)
+    assert _bits_equal(out, reference_rms_norm(x, 1e-6, w))
+    assert _bits_equal(stats[:, 1].contiguous(), reference_row_stats(x, 1e-6, rms=True)[1])
+    assert bool((stats[:, 0] == 0).all())
+
+
+def test_reference_rms_norm_is_an_rms_norm() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 1536, generator=g), torch.randn(1536, generator=g)
+    torch.testing.assert_close(reference_rms_norm(x, 1e-6, w), F.rms_norm(x, (1536,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 def test_reference_is_a_layer_norm() -> None:
     g = torch.Generator().manual_seed(2)
     for n in (4, 12, 100, 1536, 5120):
@@ -99,10 +120,11 @@ def test_fma32_where_rounding_twice_differs() -> None:
 
 def test_torch_path_reason_names_what_pytorch_would_do_differently() -> None:
     assert torch_path_reason(torch.randn(3, 1536)) is None
+    assert torch_path_reason(torch.randn(3, 16).to(BF16), torch.randn(16).to(BF16)) is None
     assert "multiple of 4" in torch_path_reason(torch.randn(3, 1538))
-    assert "float32" in torch_path_reason(torch.randn(3, 16).to(BF16))
+    assert "float64" in torch_path_reason(torch.randn(3, 16, dtype=torch.float64))
     assert "aligned" in torch_path_reason(torch.randn(20)[1:17])  # contiguous, 4 bytes past an aligned start
-    assert "weight" in torch_path_reason(torch.randn(3, 16), torch.randn(16).to(BF16))
+    assert "weight" in torch_path_reason(torch.randn(3, 16), torch.randn(16).to(BF16))  # another dtype
     assert "bias" in torch_path_reason(torch.randn(3, 16), None, torch.randn(32)[1:17])
 
 
@@ -123,6 +145,17 @@ def test_kernel_is_pytorch_cuda_layer_norm_bitwise(rows: int, n: int) -> None:
     shift, scale = (table + emb.float()).chunk(6, dim=1)[:2]
     eager = (F.layer_norm(xb.float(), (n,), eps=1e-6) * (1 + scale) + shift).type_as(xb)
     assert _bits_equal(layer_norm_modulate(xb, 1e-6, table[0], emb, 0, 1, out_dtype=BF16), eager)
+
+
+@pytest.mark.skipif(not (TRITON_AVAILABLE and torch.cuda.is_available()), reason="needs CUDA")
+@pytest.mark.parametrize("rows,n", [(3600, 1536), (512, 5120), (300, 12)])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_rms_norm_is_pytorchs_cuda_rms_norm_bitwise(rows: int, n: int, dtype: torch.dtype) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, n, device="cuda", generator=g) * 3).to(dtype)
+    w = torch.randn(n, device="cuda", generator=g).to(dtype)
+    for weight in (None, w):
+        assert _bits_equal(rms_norm(x, 1e-6, weight)[0], F.rms_norm(x, (n,), weight, 1e-6))
 
 
 @needs_interpreter

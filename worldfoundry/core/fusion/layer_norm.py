@@ -55,6 +55,7 @@ VEC: Final = 4
 MAX_N: Final = 1 << 24
 MODE_PLAIN: Final = 0
 MODE_MODULATE: Final = 1
+MODE_RMS: Final = 2
 #: Which product of ``nA * mean_A + nB * mean_B`` the CUDA build contracts (0: the first; 1: the second; 2: none).
 #: 0 matched ``torch.native_layer_norm`` bitwise on the H200 (torch 2.11) in every row checked
 #: (``benchmarks/kernels/layer_norm_exact.py``: 85 cases, 114,192 rows); 1 and 2 did not.
@@ -69,8 +70,11 @@ if TRITON_AVAILABLE:
     from worldfoundry.core.fusion.adaln import _mod_term
 
     @triton.jit
-    def _combine(b_mean, b_m2, b_n, a_mean, a_m2, a_n, MEAN_ORDER: tl.constexpr):
-        """PyTorch's ``cuWelfordCombine(dataB, dataA)``: ``B`` is the running state, ``A`` the one merged in."""
+    def _combine(b_mean, b_m2, b_n, a_mean, a_m2, a_n, MEAN_ORDER: tl.constexpr, RMS: tl.constexpr):
+        """PyTorch's ``cuWelfordCombine(dataB, dataA)``: ``B`` is the running state, ``A`` the one merged in
+        (RMSNorm: the sums of squares add, mean and count stay 0)."""
+        if RMS:
+            return b_mean, b_m2 + a_m2, b_n
         delta = b_mean - a_mean
         count = a_n + b_n
         safe = tl.where(count > 0.0, count, 1.0)
@@ -88,16 +92,16 @@ if TRITON_AVAILABLE:
         return tl.where(count > 0.0, mean, zero), tl.where(count > 0.0, m2, zero), count
 
     @triton.jit
-    def _halve(mean, m2, n, HALF: tl.constexpr, ROWS: tl.constexpr, MEAN_ORDER: tl.constexpr):
+    def _halve(mean, m2, n, HALF: tl.constexpr, ROWS: tl.constexpr, MEAN_ORDER: tl.constexpr, RMS: tl.constexpr):
         """One shuffle-down step on ``[ROWS, 2 * HALF]`` lane states: lane ``l < HALF`` merges lane ``l + HALF``."""
         own_m, oth_m = tl.split(tl.permute(tl.reshape(mean, (ROWS, 2, HALF)), (0, 2, 1)))
         own_v, oth_v = tl.split(tl.permute(tl.reshape(m2, (ROWS, 2, HALF)), (0, 2, 1)))
         own_n, oth_n = tl.split(tl.permute(tl.reshape(n, (ROWS, 2, HALF)), (0, 2, 1)))
-        return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER)
+        return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER, RMS)
 
     @triton.jit
     def _row_stats(x_ptr, rows, live_rows, N, eps, R: tl.constexpr, NV: tl.constexpr, MEAN_ORDER: tl.constexpr,
-                   APPROX_RSQRT: tl.constexpr):
+                   APPROX_RSQRT: tl.constexpr, RMS: tl.constexpr):
         """(mean, rstd), each ``[R, 1]``, of ``R`` rows in the order of PyTorch's ``compute_stats`` (module docs).
 
         Each row's 128 thread states are one 128-lane vector; masked-out rows compute on zeros and are not stored.
@@ -113,23 +117,27 @@ if TRITON_AVAILABLE:
             live = live_rows[:, None] & (v_idx < n_vec)[None, :]
             for ii in tl.static_range(4):
                 val = tl.load(x_ptr + base + (v_idx * 4 + ii)[None, :], mask=live, other=0.0).to(tl.float32)
-                delta = val - mean
-                new_n = n + 1.0
-                # every live lane holds the same count at this step (i * 4 + ii + 1): one IEEE reciprocal serves all
-                recip = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32), tl.full((1, 1), i * 4 + ii + 1, tl.float32))
-                new_mean = tl.fma(delta, recip, mean)
-                new_m2 = tl.fma(delta, val - new_mean, m2)
-                mean = tl.where(live, new_mean, mean)
-                m2 = tl.where(live, new_m2, m2)
-                n = tl.where(live, new_n, n)
+                if RMS:  # PyTorch's RMSNorm: sigma2 + val * val (contracted), no mean, no count
+                    m2 = tl.where(live, tl.fma(val, val, m2), m2)
+                else:
+                    delta = val - mean
+                    new_n = n + 1.0
+                    # every live lane holds the same count at this step (i * 4 + ii + 1): one IEEE reciprocal
+                    recip = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32),
+                                           tl.full((1, 1), i * 4 + ii + 1, tl.float32))
+                    new_mean = tl.fma(delta, recip, mean)
+                    new_m2 = tl.fma(delta, val - new_mean, m2)
+                    mean = tl.where(live, new_mean, mean)
+                    m2 = tl.where(live, new_m2, m2)
+                    n = tl.where(live, new_n, n)
         # 4 warps x 32 lanes per row: shuffle-down within each warp, then warps 2, 3 into 0, 1 and 1 into 0
-        mean, m2, n = _halve(mean, m2, n, 16, R * 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 8, R * 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 4, R * 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 2, R * 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 1, R * 4, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 2, R, MEAN_ORDER)
-        mean, m2, n = _halve(mean, m2, n, 1, R, MEAN_ORDER)
+        mean, m2, n = _halve(mean, m2, n, 16, R * 4, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 8, R * 4, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 4, R * 4, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 2, R * 4, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 1, R * 4, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 2, R, MEAN_ORDER, RMS)
+        mean, m2, n = _halve(mean, m2, n, 1, R, MEAN_ORDER, RMS)
         # the statistics stay float32 tensors ([R, 1]): the interpreter computes scalars in float64
         var = tl.math.div_rn(m2, tl.full((R, 1), N, tl.float32))
         v = var + eps
@@ -153,7 +161,7 @@ if TRITON_AVAILABLE:
             first = first.to(tl.int64)
             rows = rows.to(tl.int64)
         live_rows = rows < M
-        mean, rstd = _row_stats(x_ptr, rows, live_rows, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT)
+        mean, rstd = _row_stats(x_ptr, rows, live_rows, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT, MODE == 2)
         bs = rows // S
         ss = rows - bs * S
         for chunk in tl.static_range(N_CHUNKS):
@@ -161,7 +169,10 @@ if TRITON_AVAILABLE:
             mask = live_rows[:, None] & (cols < N)[None, :]
             offs = rows[:, None] * N + cols[None, :]
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = rstd * (x - mean)
+            if MODE == 2:
+                y = rstd * x
+            else:
+                y = rstd * (x - mean)
             if MODE == 1:
                 if ROW_UNIFORM:  # one sample per program and a per-sample modulation: one row of it
                     bb = first // S
@@ -199,20 +210,22 @@ def torch_path_reason(x: torch.Tensor, weight: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None) -> str | None:
     """Why PyTorch would not normalise ``x`` (last dim) with its vectorized kernel, or ``None`` when it would.
 
-    Only that kernel's algorithm is reproduced. ``x`` is the tensor handed to ``F.layer_norm``: a non-contiguous one
-    is copied (aligned) by PyTorch first; float32 operands must be 16-byte aligned, weight and bias float32 too.
+    Only that kernel's algorithm is reproduced (for LayerNorm and RMSNorm). ``x``, ``weight`` and ``bias`` are the
+    tensors handed to ``F.layer_norm`` / ``F.rms_norm``: one dtype (float32, bfloat16 or float16), the width a
+    multiple of 4 up to 2^24, each operand aligned to 4 elements (a non-contiguous ``x`` is copied, aligned, by
+    PyTorch first).
     """
     n = x.shape[-1]
-    if x.dtype != torch.float32:
-        return f"LayerNorm input {x.dtype} (the reproduced kernel reads float32)"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"norm input {x.dtype} (the reproduced kernel reads float32, bfloat16 or float16)"
     if n % VEC or n > MAX_N or n == 0:
-        return f"LayerNorm width {n} (PyTorch's vectorized kernel needs a multiple of 4 up to 2^24)"
-    if x.is_contiguous() and x.data_ptr() % (VEC * 4):
-        return "LayerNorm input not 16-byte aligned"
+        return f"norm width {n} (PyTorch's vectorized kernel needs a multiple of 4 up to 2^24)"
+    align = VEC * x.element_size()
+    if x.is_contiguous() and x.data_ptr() % align:
+        return f"norm input not {align}-byte aligned"
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.data_ptr() % (VEC * 4) or t.shape != (n,)
-                              or not t.is_contiguous()):
-            return f"LayerNorm {name} not a contiguous, 16-byte aligned float32 vector of {n}"
+        if t is not None and (t.dtype != x.dtype or t.data_ptr() % align or t.shape != (n,) or not t.is_contiguous()):
+            return f"norm {name} not a contiguous, {align}-byte aligned {x.dtype} vector of {n}"
     return None
 
 
@@ -289,6 +302,25 @@ def layer_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None, 
         ``(out, stats or None)``.
     """
     return _run(MODE_PLAIN, x, eps, out_dtype, weight, bias, None, None, 0, 0, stats, mean_order, index_limit)
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None, *,
+             out_dtype: torch.dtype | None = None, stats: bool = False,
+             index_limit: int = INT32_MAX) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``F.rms_norm(x, (N,), weight, eps)`` as PyTorch's CUDA kernel computes it (float32 accumulation), rounded to
+    ``out_dtype`` (default ``x.dtype``, PyTorch's output dtype).
+
+    Args:
+        x: contiguous ``[..., N]`` float32, bfloat16 or float16.
+        eps: the epsilon (PyTorch's ``RMSNorm(eps=None)`` uses the dtype's machine epsilon: pass it explicitly).
+        weight: ``[N]`` of ``x.dtype`` or ``None``.
+        stats: also return ``[rows, 2]`` float32 (0, rstd) per row.
+
+    Returns:
+        ``(out, stats or None)``.
+    """
+    return _run(MODE_RMS, x, eps, out_dtype or x.dtype, weight, None, None, None, 0, 0, stats, MEAN_FMA,
+                index_limit)
 
 
 def layer_norm_modulate(x: torch.Tensor, eps: float, table: torch.Tensor, emb: torch.Tensor, k_shift: int,

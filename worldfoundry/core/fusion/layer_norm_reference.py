@@ -49,15 +49,15 @@ def _combine(b: tuple[torch.Tensor, ...], a: tuple[torch.Tensor, ...], mean_orde
     return torch.where(count > 0, mean, zero), torch.where(count > 0, m2, zero), count
 
 
-def _halve(state: tuple[torch.Tensor, ...], half: int, mean_order: int) -> tuple[torch.Tensor, ...]:
+def _halve(state: tuple[torch.Tensor, ...], half: int, mean_order: int, merge) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
     own = tuple(t[..., :half] for t in state)
     other = tuple(t[..., half:2 * half] for t in state)
-    return _combine(own, other, mean_order)
+    return merge(own, other, mean_order)
 
 
-def reference_row_stats(x: torch.Tensor, eps: float, *, mean_order: int = 0,
-                        approx_rsqrt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, rstd) per row of ``x`` (``[..., N]``, read as float32), each ``[rows]`` float32."""
+def reference_row_stats(x: torch.Tensor, eps: float, *, mean_order: int = 0, approx_rsqrt: bool = False,
+                        rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, rstd) per row of ``x`` (``[..., N]``, read as float32), each ``[rows]`` float32 (RMSNorm: mean 0)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n).float()
     r = rows.shape[0]
@@ -69,22 +69,40 @@ def reference_row_stats(x: torch.Tensor, eps: float, *, mean_order: int = 0,
         live = (v_idx < n_vec).expand(r, THREADS)
         for ii in range(VEC):
             val = rows[:, torch.clamp(v_idx * VEC + ii, max=n - 1)]
+            if rms:
+                m2 = torch.where(live, fma32(val, val, m2), m2)
+                continue
             delta = val - mean
             new_n = count + 1.0
             new_mean = fma32(delta, 1.0 / new_n, mean)
             new_m2 = fma32(delta, val - new_mean, m2)
             mean, m2, count = (torch.where(live, a, b) for a, b in ((new_mean, mean), (new_m2, m2), (new_n, count)))
     state = tuple(s.reshape(r, THREADS // WARP, WARP) for s in (mean, m2, count))
+    merge = _sum_squares if rms else _combine
     for half in (16, 8, 4, 2, 1):
-        state = _halve(state, half, mean_order)
+        state = _halve(state, half, mean_order, merge)
     state = tuple(s.reshape(r, THREADS // WARP) for s in state)
     for half in (2, 1):
-        state = _halve(state, half, mean_order)
+        state = _halve(state, half, mean_order, merge)
     mean, m2 = state[0][:, 0], state[1][:, 0]
     var = m2 / torch.tensor(float(n), dtype=torch.float32)
     v = var + torch.tensor(eps, dtype=torch.float32)
     rstd = torch.rsqrt(v) if approx_rsqrt else (1.0 / torch.sqrt(v.double())).float()
     return mean, rstd
+
+
+def _sum_squares(b: tuple[torch.Tensor, ...], a: tuple[torch.Tensor, ...], mean_order: int) -> tuple[torch.Tensor, ...]:
+    return b[0], b[1] + a[1], b[2]
+
+
+def reference_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None, *,
+                       out_dtype: torch.dtype | None = None, approx_rsqrt: bool = False) -> torch.Tensor:
+    """Reference of :func:`~worldfoundry.core.fusion.layer_norm.rms_norm`."""
+    _, rstd = reference_row_stats(x, eps, approx_rsqrt=approx_rsqrt, rms=True)
+    y = rstd.reshape(*x.shape[:-1], 1) * x.float()
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(out_dtype or x.dtype)
 
 
 def reference_layer_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
@@ -114,4 +132,5 @@ def reference_layer_norm_modulate(x: torch.Tensor, eps: float, table: torch.Tens
     return (n * (1 + scale) + shift).to(out_dtype)
 
 
-__all__ = ["fma32", "reference_layer_norm", "reference_layer_norm_modulate", "reference_row_stats"]
+__all__ = ["fma32", "reference_layer_norm", "reference_layer_norm_modulate", "reference_rms_norm",
+           "reference_row_stats"]
