@@ -170,3 +170,15 @@ def test_one_geometry_with_weights_of_two_dtypes_gets_two_plans() -> None:
     assert len(module._PLANS) == 2
     assert _bits_equal(first, reference_layer_norm(x, 1e-6, w, b))
     assert _bits_equal(second, reference_layer_norm(x, 1e-6, w.to(BF16), b.to(BF16)))
+
+
+@pytest.mark.skipif(not (TRITON_AVAILABLE and torch.cuda.is_available()), reason="needs CUDA")
+def test_offsets_past_2_31_elements_take_64_bit_indexing_and_stay_bitwise() -> None:
+    rows, n = 1_400_000, 1536  # 2.15e9 elements: every offset of the last rows exceeds int32
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs about 30 GB of device memory")
+    x = torch.randn(rows, n, device="cuda", dtype=BF16)
+    out = layer_norm(x, 1e-6, out_dtype=BF16)[0]
+    tail = slice(rows - 4096, rows)
+    ref = F.layer_norm(x[tail].float(), (n,), eps=1e-6).to(BF16)  # rows are independent: check the far end
+    assert _bits_equal(out[tail].contiguous(), ref)
