@@ -298,3 +298,26 @@ def test_precompile_covers_the_layer_norm_variants(cuda_layer_norm_on_cpu: None,
     assert len(seen) == 1 and len(seen[0]) == 6
     assert set(adaln._PLANS) | set(rope._PLANS) | set(layer_norm._PLANS) == seen[0]
     session.uninstall()
+
+
+def test_layer_norm_chain_rechecks_a_norm_whose_parameters_change(cuda_layer_norm_on_cpu: None) -> None:
+    model = build_wan(num_layers=1)
+    inputs = wan_inputs()
+    session = install(model, {"chains": LN_CHAINS})
+    run(model, inputs, "r1")
+    assert record_of(session, "r1")["counters"]["layer_norm"] == 3
+    norm2 = model.blocks[0].norm2
+    original = norm2.weight
+    misaligned = torch.nn.Parameter(torch.empty(original.numel() + 1, dtype=original.dtype)[1:].copy_(original))
+    norm2.weight = misaligned  # float32 and 4 bytes past an aligned address: PyTorch takes another kernel
+    try:
+        dense = run(model, inputs)
+        out = run(model, inputs, "r2")
+    finally:
+        norm2.weight = original
+    record = record_of(session, "r2")
+    assert original.dtype == torch.float32  # diffusers keeps the norms in float32
+    assert record["counters"]["layer_norm"] == 2
+    assert record["fallbacks"] == {"layer_norm: float32 weight or bias not contiguous and 16-byte aligned": 1}
+    assert torch.equal(out, dense)
+    session.uninstall()

@@ -100,27 +100,48 @@ def norm_reason(norm: nn.Module, x: torch.Tensor, *, affine: bool) -> str | None
     about to take its vectorized kernel (:func:`~worldfoundry.core.fusion.layer_norm.torch_path_reason`): width a
     multiple of 4 up to 2^24, the float32 operands eager hands it 16-byte aligned. Those operands are the stream
     (a fresh copy unless it is float32 already) and ``weight.float()`` / ``bias.float()`` (fresh unless float32).
+    The hot path splits this into :func:`stream_norm_reason` (once per call), :func:`norm_module_reason` (static,
+    cacheable) and :func:`norm_hooked` (every call).
     """
-    if type(norm) not in _layer_norm_types():
-        return f"layer_norm: {type(norm).__name__} is not FP32LayerNorm / LayerNorm"
-    if x.device.type not in NORM_DEVICES:
+    return (stream_norm_reason(x) or norm_module_reason(norm, x.shape[-1], affine=affine)
+            or ("layer_norm: the norm module is wrapped or hooked (it runs as a module)" if norm_hooked(norm)
+                else None))
+
+
+def stream_norm_reason(x: torch.Tensor) -> str | None:
+    """The stream's part of :func:`norm_reason`: device, width, and a float32 stream's alignment."""
+    if ("cuda" if x.is_cuda else x.device.type) not in NORM_DEVICES:
         return REASON_NORM_DEVICE
-    if "forward" in vars(norm) or norm._forward_hooks or norm._forward_pre_hooks or not no_global_hooks():
-        return "layer_norm: the norm module is wrapped or hooked (it runs as a module)"
-    weight, bias = norm.weight, norm.bias
     n = x.shape[-1]
-    if tuple(norm.normalized_shape) != (n,) or (weight is not None) != affine or (bias is not None) != affine:
-        return "layer_norm: normalized shape or affine parameters not as Wan's"
-    if type(norm) is nn.LayerNorm and weight is not None and weight.dtype != torch.float32:
-        return "layer_norm: LayerNorm parameters not float32"
     if n % LN_VEC or n > LN_MAX_N:
         return f"layer_norm: width {n} (PyTorch's vectorized kernel needs a multiple of 4 up to 2^24)"
     if x.dtype == torch.float32 and x.data_ptr() % (LN_VEC * 4):
         return "layer_norm: float32 stream not 16-byte aligned (PyTorch takes another kernel)"
+    return None
+
+
+def norm_module_reason(norm: nn.Module, n: int, *, affine: bool) -> str | None:
+    """The module's static part of :func:`norm_reason`: class, normalized shape, parameters and their alignment."""
+    if type(norm) not in _layer_norm_types():
+        return f"layer_norm: {type(norm).__name__} is not FP32LayerNorm / LayerNorm"
+    params = norm._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    if tuple(norm.normalized_shape) != (n,) or (weight is not None) != affine or (bias is not None) != affine:
+        return "layer_norm: normalized shape or affine parameters not as Wan's"
+    if type(norm) is nn.LayerNorm and weight is not None and weight.dtype != torch.float32:
+        return "layer_norm: LayerNorm parameters not float32"
     for t in (weight, bias):
         if t is not None and t.dtype == torch.float32 and (t.data_ptr() % (LN_VEC * 4) or not t.is_contiguous()):
             return "layer_norm: float32 weight or bias not contiguous and 16-byte aligned"
     return None
+
+
+def norm_hooked(norm: nn.Module, global_hooks: bool | None = None) -> bool:
+    """Whether calling ``norm`` would run something besides its class's forward (a wrapper, a hook of its own, or a
+    process-wide module hook; ``global_hooks`` when the caller already knows whether there is one)."""
+    if global_hooks is None:
+        global_hooks = not no_global_hooks()
+    return bool(global_hooks or "forward" in norm.__dict__ or norm._forward_hooks or norm._forward_pre_hooks)
 
 
 @functools.cache
@@ -179,7 +200,10 @@ __all__ = [
     "FloatCarry",
     "modulation_reason",
     "no_global_hooks",
+    "norm_hooked",
+    "norm_module_reason",
     "norm_reason",
+    "stream_norm_reason",
     "rotary_reason",
     "stream_reason",
     "table_reason",

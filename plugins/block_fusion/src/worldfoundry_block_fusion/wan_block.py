@@ -45,8 +45,11 @@ from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
     FloatCarry,
-    norm_reason,
+    no_global_hooks,
+    norm_hooked,
+    norm_module_reason,
     rotary_reason,
+    stream_norm_reason,
     stream_reason,
     table_reason,
     temb_reason,
@@ -87,6 +90,9 @@ class WanBlockRuntime:
         self.rotary_checked: tuple[Any, ...] | None = None
         #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
         self.precompiled = False
+        #: id(norm) -> ((norm, weight, bias), (width, affine, id and address of weight and bias)) of norms whose
+        #: static checks passed
+        self.norms_checked: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
         #: (temb, stream shape) last found eligible for the AdaLN kernels (see :meth:`modulation_reason`)
         self.temb_checked: tuple[Any, Any] = (None, None)
 
@@ -250,18 +256,42 @@ class WanBlockRuntime:
     def fused_norms(self, block: nn.Module, x: torch.Tensor, path: str) -> tuple[bool, bool, bool]:
         """Which of the block's three norms the ``layer_norm`` chain computes in this call; each that cannot is
         counted as a fallback with its reason (``norm1``/``norm3`` also need the ``modulate`` chain, and an
-        ``nn.Identity`` ``norm2`` -- no cross-attention norm -- has nothing to fuse)."""
+        ``nn.Identity`` ``norm2`` -- no cross-attention norm -- has nothing to fuse).
+
+        The stream is checked once per call, each norm's static checks once per (norm, parameters, width) and
+        remembered (:attr:`norms_checked`), its wrappers and hooks on every call.
+        """
+        stream = stream_norm_reason(x)
+        n = x.shape[-1]
+        global_hooks = not no_global_hooks()
         fused = []
         for norm, affine, with_mod in ((block.norm1, False, True), (block.norm2, True, False),
                                        (block.norm3, False, True)):
             if (with_mod and not self.modulate) or type(norm) is nn.Identity:
                 fused.append(False)
                 continue
-            reason = norm_reason(norm, x, affine=affine)
+            reason = stream or self._module_reason(norm, n, affine)
+            if reason is None and norm_hooked(norm, global_hooks):
+                reason = "layer_norm: the norm module is wrapped or hooked (it runs as a module)"
             if reason is not None:
                 self.counters.fallback(path, reason)
             fused.append(reason is None)
         return fused[0], fused[1], fused[2]
+
+    def _module_reason(self, norm: nn.Module, n: int, affine: bool) -> str | None:
+        """:func:`~worldfoundry_block_fusion.eligibility.norm_module_reason`, remembered while the norm's
+        parameters (objects and storage addresses) and the width stay the same."""
+        params = norm._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        key = (n, affine, id(weight), 0 if weight is None else weight.data_ptr(), id(bias),
+               0 if bias is None else bias.data_ptr())
+        held = self.norms_checked.get(id(norm))
+        if held is not None and held[1] == key:
+            return None
+        reason = norm_module_reason(norm, n, affine=affine)
+        if reason is None:  # the objects are held, so their ids cannot be reused while the entry exists
+            self.norms_checked[id(norm)] = ((norm, weight, bias), key)
+        return reason
 
     def _gate(self, x: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, table: torch.Tensor,
               full_table: torch.Tensor, temb: torch.Tensor, k: int, mods: list[torch.Tensor] | None, carry: bool,
