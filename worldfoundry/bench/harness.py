@@ -28,6 +28,7 @@ from worldfoundry.bench.provenance import (
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
 from worldfoundry.bench.floor import DenseFloorReference
+from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     Arm,
@@ -260,6 +261,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
+    results["host_speed"] = host_speed_summary(run_probes(results))
     if tpolicy.dense_reference is not None:
         results["dense"]["floor_reference_s"] = tpolicy.dense_reference.to_json()
     if not results["dense"]["stable_after_candidates"]:

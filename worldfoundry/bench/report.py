@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.bench.metrics import json_number
 
 
@@ -82,6 +83,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"{budget['latent_rel_l2']}, PSNR ≥ {budget['psnr_db']} dB, min SSIM ≥ {budget['min_ssim']}",
         f"- GPU sharing during timing: {_sharing(results)}",
         f"- timing: {_timing_line(results)}",
+        f"- host speed: {describe_host(results.get('host_speed'))}",
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
         render_table(results),

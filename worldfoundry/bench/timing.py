@@ -12,7 +12,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   more than ``target_halfwidth`` above the run's :class:`~worldfoundry.bench.floor.DenseFloorReference` (its
   dense arm ran in a slow phase of the host; ``dense_excess`` in the summary), even when its CI is narrow. The
   estimate is the policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
-  (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries.
+  (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries. A candidate whose
+  arms ran on hosts of different speed (:func:`~worldfoundry.bench.host_speed.host_split` of the interpreter probes
+  the samples carry above the policy's ``host_tolerance``) gets more rounds the same way.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
   blocks of two rounds whose first side alternates; after every switch one untimed generation of the
   switched-to arm runs first, so one-off costs of a switch (a CUDA graph
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from worldfoundry.bench.floor import DenseFloorReference
+from worldfoundry.bench.host_speed import host_split, probe_ms
 from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
 
 #: Default target of the paired-speedup CI half-width, relative to the median (2%).
@@ -48,6 +51,8 @@ DEFAULT_MAX_NOISE_FLOOR = 1.05
 DEFAULT_BOUND_TOLERANCE = 0.05
 #: Budget multiple an undecided candidate (CI straddling the threshold) may use.
 DEFAULT_EXTEND_FACTOR = 2.0
+#: Relative difference of the two arms' median host probes above which a candidate gets more rounds.
+DEFAULT_HOST_TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class TimingPolicy:
         extend_factor: the budget multiple an undecided candidate may use (1 = never extended).
         dense_reference: the run's dense step floors (``None``: no slow-phase check); updated by the harness as
             pairs complete.
+        host_tolerance: relative difference of the arms' median host probes (:mod:`~worldfoundry.bench.host_speed`)
+            above which a candidate's rounds are extended like an undecided one's.
     """
 
     min_rounds: int = 3
@@ -79,6 +86,7 @@ class TimingPolicy:
     threshold: float | None = None
     extend_factor: float = DEFAULT_EXTEND_FACTOR
     dense_reference: DenseFloorReference | None = field(default=None, compare=False, repr=False)
+    host_tolerance: float = DEFAULT_HOST_TOLERANCE
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -93,6 +101,8 @@ class TimingPolicy:
             raise ValueError(f"budget_s: must be > 0, got {self.budget_s}")
         if not self.extend_factor >= 1:
             raise ValueError(f"extend_factor: must be >= 1, got {self.extend_factor}")
+        if not self.host_tolerance > 0:
+            raise ValueError(f"host_tolerance: must be > 0, got {self.host_tolerance}")
 
 
 def ci_halfwidth(summary: Mapping[str, Any]) -> float:
@@ -123,16 +133,20 @@ def undecided(summary: Mapping[str, Any], threshold: float | None) -> bool:
 
 @dataclass(frozen=True)
 class Timed:
-    """One timed generation: its loop time, its per-step times and its group (the seed)."""
+    """One timed generation: its loop time, its per-step times, its group (the seed) and the host probe taken just
+    before it (milliseconds, :func:`~worldfoundry.bench.host_speed.probe_ms`; ``None``: not probed)."""
 
     seconds: float
     steps: tuple[float, ...] = ()
     group: Any = None
+    host_ms: float | None = None
 
     @classmethod
     def of(cls, seconds: float, phases: Mapping[str, Any], seed: int) -> Timed:
         """From :func:`timed_generate`'s seconds and phases."""
-        return cls(float(seconds), tuple(float(x) for x in phases.get("steps_s") or ()), seed)
+        probe = phases.get("host_probe_ms")
+        return cls(float(seconds), tuple(float(x) for x in phases.get("steps_s") or ()), seed,
+                   None if probe is None else float(probe))
 
 
 def _sample(x: float | Timed) -> Timed:
@@ -150,7 +164,9 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         (``"target"``, ``"max_rounds"`` or ``"budget"``; an undecided candidate stops at ``extend_factor`` times
         the budget), ``extended`` (rounds added after the rule would have stopped: an undecided CI past the budget,
         or a dense arm in a slow phase), ``dense_excess`` (the pair's dense floor over the policy's
-        ``dense_reference``, minus 1; ``None`` without one) and the samples' ``steps_s`` and ``groups``.
+        ``dense_reference``, minus 1; ``None`` without one), the samples' ``steps_s``, ``groups`` and
+        ``host_probe_ms``, and ``host_split`` (:func:`~worldfoundry.bench.host_speed.host_split`; rounds are
+        extended while it exceeds the policy's ``host_tolerance``).
     """
     dense: list[Timed] = []
     cand: list[Timed] = []
@@ -164,7 +180,9 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         groups = [x.group for x in dense]
         out = summarize_speed([x.seconds for x in dense], [x.seconds for x in cand], steps=steps, groups=groups,
                               estimator=policy.estimator)
-        out.update(steps_s=steps, groups=groups)
+        probes = {"dense": [x.host_ms for x in dense], "candidate": [x.host_ms for x in cand]}
+        out.update(steps_s=steps, groups=groups, host_probe_ms=probes,
+                   host_split=host_split(probes["dense"], probes["candidate"]))
         return out
 
     for r in range(policy.max_rounds):
@@ -181,6 +199,8 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         if narrow or elapsed >= policy.budget_s:
             excess = dense_excess(summary, policy.dense_reference)
             slow = excess is not None and excess > policy.target_halfwidth
+            split = summary["host_split"]
+            slow = slow or (split is not None and abs(split) > policy.host_tolerance)
             more = slow or (not narrow and undecided(summary, policy.threshold))
             if not (more and elapsed < policy.extend_factor * policy.budget_s):
                 stopped = "target" if narrow else "budget"
@@ -348,12 +368,15 @@ def gc_paused() -> Iterator[None]:
 
 
 def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[str, Any]]:
-    """One latent-only request, the garbage collector paused; returns the result, the loop's device time and the
-    per-phase timings."""
+    """One latent-only request, the garbage collector paused and the host probed just before it
+    (:func:`~worldfoundry.bench.host_speed.probe_ms`); returns the result, the loop's device time and the
+    per-phase timings (with ``host_probe_ms``)."""
     den = runner.pipe.components.denoiser
-    with gc_paused(), LoopTimer(den, runner.pipe.policy.device) as timer:
-        result = runner.generate(seed, tag)
+    with gc_paused():
+        probe = probe_ms()  # the host's speed right before the request, outside the timed region
+        with LoopTimer(den, runner.pipe.policy.device) as timer:
+            result = runner.generate(seed, tag)
     seconds = timer.seconds if timer.seconds is not None else result.timings["denoise_s"]
     phases = {"denoise_event_s": seconds, "encode_s": result.timings.get("encode_s"),
-              "steps_s": list(result.timings.get("steps_s", []))}
+              "steps_s": list(result.timings.get("steps_s", [])), "host_probe_ms": probe}
     return result, seconds, phases
