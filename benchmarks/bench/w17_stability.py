@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.core.model_loading.recipes import project_root
 
 CANDIDATES = project_root() / "recipes" / "candidates" / "wan2.1-1.3b-h200.json"
@@ -78,7 +79,7 @@ def main() -> int:
             summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
                                     "decision_threshold": res.get("decision_threshold"),
                                     "control_halfwidth": res["dense"]["control"].get("halfwidth"),
-                                    "wall_s": res["wall_s"]}
+                                    "wall_s": res["wall_s"], "host_speed": res.get("host_speed")}
             for c in res["candidates"]:
                 summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
     if a and peers:
@@ -102,6 +103,7 @@ def main() -> int:
     for tag, run in summary["runs"].items():
         print(f"run {tag}: noise floor {run['noise_floor']:.4f} (goal <= 1.02), control half-width "
               f"{run['control_halfwidth']:.2%}, wall {run['wall_s']:.0f} s, noisy: {bool(run['noisy_host'])}")
+        print(f"       host speed: {describe_host(run.get('host_speed'))}")
     print(f"verdicts identical across runs: {same and len(summary['runs']) == 2}")
     return 0
 

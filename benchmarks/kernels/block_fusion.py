@@ -365,9 +365,15 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
     return result
 
 
+def _probe(t: dict[str, Any]) -> str:
+    """The median host probe before this variant's samples, and its range (the machine's speed while timed)."""
+    probes = t.get("host_probe_ms") or []
+    return f"{t['host_probe_median_ms']:.2f} ({min(probes):.2f}–{max(probes):.2f})" if probes else ""
+
+
 def table(results: dict[str, Any]) -> str:
     lines = ["| workload | variant | median ms | vs eager (paired median) | goal | bitwise | first call s | "
-             "kernels/forward |", "|---|---|---|---|---|---|---|---|"]
+             "kernels/forward | host probe ms |", "|---|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():
         if not isinstance(r, dict) or "timing" not in r:
             continue
@@ -384,7 +390,8 @@ def table(results: dict[str, Any]) -> str:
                     f">= {STACK_GOALS[label]}" if key == "block_fusion+cuda_graph" and label in STACK_GOALS else "")
             kernels = r.get("kernels_per_forward", {}).get(key, "")
             lines.append(f"| {label} | {key} | {t['median_ms']:.2f} | {t['speedup_vs_eager']:.3f} "
-                         f"({t['paired_speedup_median']:.3f}) | {goal} | {bitwise} | {first} | {kernels} |")
+                         f"({t['paired_speedup_median']:.3f}) | {goal} | {bitwise} | {first} | {kernels} | "
+                         f"{_probe(t)} |")
     return "\n".join(lines)
 
 

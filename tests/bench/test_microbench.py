@@ -21,6 +21,7 @@ def test_rounds_rotate_the_order_after_the_warm_up() -> None:
     assert {n: len(v) for n, v in samples.device_ms.items()} == {"a": 3, "b": 3, "c": 3}
     assert all(v >= 0.0 for values in samples.enqueue_ms.values() for v in values)
     assert samples.gc_collections is None
+    assert {n: len(v) for n, v in samples.host_probe_ms.items()} == {"a": 3, "b": 3, "c": 3}
 
 
 def test_frozen_gc_is_counted_and_released_even_when_a_call_fails() -> None:
@@ -46,3 +47,6 @@ def test_paired_summary_ratios_are_baseline_over_call_per_round() -> None:
     summary = interleaved({"dense": lambda: None, "other": lambda: None}, CPU, rounds=3, warmup=0, iters=1,
                           baseline="dense")
     assert set(summary) == {"dense", "other"} and len(summary["other"]["rounds_ms"]) == 3
+    # one host probe before each sample, summarised per call
+    assert len(summary["other"]["host_probe_ms"]) == 3 and all(p > 0 for p in summary["other"]["host_probe_ms"])
+    assert summary["other"]["host_probe_median_ms"] == sorted(summary["other"]["host_probe_ms"])[1]

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import torch
 
+from worldfoundry.bench.host_speed import probe_ms
 from worldfoundry.core.timing import Region, count_host_syncs, sync, time_calls, time_ms, timing_events
 
 #: Wan2.1-T2V-1.3B transformer config (the W17/W81 architecture) and a tiny variant for CPU smoke runs.
@@ -31,12 +32,14 @@ RANDOM_NOTE: Final = "random seeded weights: relative L2 describes these weights
 
 @dataclass
 class RoundSamples:
-    """Per call, one sample a round: device milliseconds and host enqueue milliseconds per call."""
+    """Per call, one sample a round: device milliseconds and host enqueue milliseconds per call, and the host
+    probe (:func:`~worldfoundry.bench.host_speed.probe_ms`) taken right before the sample."""
 
     device_ms: dict[str, list[float]]
     enqueue_ms: dict[str, list[float]]
     #: collections of Python's garbage collector during the timed rounds (``None``: it was not frozen)
     gc_collections: int | None = None
+    host_probe_ms: dict[str, list[float]] | None = None
 
 
 def _gc_collections() -> int:
@@ -60,7 +63,7 @@ def interleaved_samples(calls: dict[str, Callable[[], Any]], device: torch.devic
             fn()
     sync(device)
     names = list(calls)
-    samples = RoundSamples({n: [] for n in names}, {n: [] for n in names})
+    samples = RoundSamples({n: [] for n in names}, {n: [] for n in names}, host_probe_ms={n: [] for n in names})
     if freeze_gc:
         gc.collect()
         gc.freeze()
@@ -68,6 +71,7 @@ def interleaved_samples(calls: dict[str, Callable[[], Any]], device: torch.devic
     try:
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
+                samples.host_probe_ms[name].append(probe_ms())  # the host's speed at this sample
                 region = time_calls(calls[name], device, iters)
                 samples.device_ms[name].append(region.device_ms / iters)
                 samples.enqueue_ms[name].append(region.enqueue_ms / iters)
@@ -95,11 +99,17 @@ def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, ro
                 baseline: str) -> dict[str, dict[str, Any]]:
     """:func:`interleaved_samples` summarised by :func:`paired_summary` (device time).
 
-    Returns per call: median milliseconds, the samples, ``speedup_vs_<baseline>`` (ratio of medians) and the
-    median/min/max of the per-round paired ratios ``baseline / call`` (> 1 means faster than the baseline).
+    Returns per call: median milliseconds, the samples, ``speedup_vs_<baseline>`` (ratio of medians), the
+    median/min/max of the per-round paired ratios ``baseline / call`` (> 1 means faster than the baseline), and
+    the host probes taken before its samples (``host_probe_ms``, ``host_probe_median_ms``): a host-bound call timed
+    while the machine ran slow shows it there.
     """
     samples = interleaved_samples(calls, device, rounds=rounds, warmup=warmup, iters=iters)
-    return paired_summary(samples.device_ms, baseline)
+    out = paired_summary(samples.device_ms, baseline)
+    for name, probes in (samples.host_probe_ms or {}).items():
+        out[name]["host_probe_ms"] = probes
+        out[name]["host_probe_median_ms"] = statistics.median(probes) if probes else None
+    return out
 
 
 def bf16_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
