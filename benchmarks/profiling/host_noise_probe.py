@@ -5,7 +5,8 @@ The W17 forward (Wan2.1-1.3B architecture, random weights, bf16) is bound by the
 the same forward takes 38-90 ms from one phase to the next. This probe times forwards back to back and, around
 each one, reads what the kernel says about the host:
 
-* ``loop_ms``: a fixed pure-Python loop (no GPU): the speed of the interpreter's core at that moment;
+* ``loop_ms``: the bench's host probe (:func:`~worldfoundry.bench.host_speed.probe_ms`, a fixed pure-Python loop,
+  no GPU) at 100,000 iterations: the speed of the interpreter's core at that moment;
 * ``steal`` / ``user`` / ``system`` / ``idle``: the machine's ``/proc/stat`` jiffies during the forward (``steal``:
   time a hypervisor gave this machine's vCPUs to someone else);
 * ``cpu``: the core the main thread last ran on, ``mhz`` its clock where ``/sys`` shows it;
@@ -39,9 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from block_fusion import build, caller, inputs_for  # noqa: E402
 
+from worldfoundry.bench.host_speed import probe_ms  # noqa: E402
 from worldfoundry.bench.microbench import SMOKE_WORKLOADS, WORKLOADS, provenance  # noqa: E402
 from worldfoundry.core.timing import sync  # noqa: E402
 
+#: iterations of the bench's host probe loop per sample (five of the bench's probes; `11b3738` timed its own
+#: ``acc += i % 7`` loop of 100,000 iterations instead: absolute figures differ, phases show the same way)
+LOOPS = 100_000
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
@@ -78,16 +83,8 @@ def core_mhz(cpu: int) -> float | None:
         return None
 
 
-def python_loop_ms(n: int = 100_000) -> float:
-    t0 = time.perf_counter()
-    acc = 0
-    for i in range(n):
-        acc += i % 7
-    return (time.perf_counter() - t0) * 1e3
-
-
 def one(fn: Any, device: torch.device) -> dict[str, Any]:
-    loop = python_loop_ms()
+    loop = probe_ms(LOOPS)
     sync(device)
     j0, (_, v0, i0) = cpu_jiffies(), thread_state()
     t0 = time.perf_counter()
