@@ -12,6 +12,10 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
   cache is pointed at an empty directory so the figure is a cold start);
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
+* adjacent pairs (``--pairs``, default 24): single forwards of eager and of ``block_fusion``, ``cuda_graph``,
+  ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA order, median per-pair ratio and its bootstrap
+  95 % CI -- the ratio on one host speed, where the rounds above compare samples seconds apart (this machine's host
+  speed changes in phases of seconds: ``benchmarks/profiling/host_noise_probe.py``);
 * ``block_fusion:normal_launch``: the same fused model with every kernel launched through Triton's normal
   ``kernel[grid](...)`` path instead of the compiled kernel's launcher (the host cost of launching);
 * Wan: ``cuda_graph`` alone and ``block_fusion+cuda_graph`` (the forward replayed from one CUDA graph; bitwise
@@ -54,6 +58,7 @@ from worldfoundry.bench.microbench import (
     WAN_1_3B,
     WAN_TINY,
     WORKLOADS,
+    adjacent_pairs,
     interleaved,
     provenance,
     rel_l2,
@@ -344,6 +349,8 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
     except Exception as exc:
         result["errors"]["timing"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
+    try:
+        result["pairs"] = pair_ratios(calls, device, args.pairs)
     finally:
         gc.unfreeze()
     for key, session in result.pop("_graphs", {}).items():  # the timed calls replayed (captures stay at one)
@@ -363,6 +370,36 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+#: The variants timed against eager in adjacent pairs (see the module docs).
+PAIRED_VARIANTS = ("block_fusion", "cuda_graph", "block_fusion+cuda_graph", "compile")
+
+
+def pair_ratios(calls: dict[str, Callable[[], Any]], device: torch.device, pairs: int) -> dict[str, Any]:
+    """Each of :data:`PAIRED_VARIANTS` present against eager in ``pairs`` adjacent ABBA pairs."""
+    out: dict[str, Any] = {}
+    for key in PAIRED_VARIANTS:
+        if key in calls and pairs > 0:
+            try:
+                out[key] = adjacent_pairs(calls["eager"], calls[key], device, pairs=pairs)
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def pairs_table(results: dict[str, Any]) -> str:
+    lines = ["| workload | variant | eager ms | variant ms | per-pair ratio (median) | 95% CI | pairs |",
+             "|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        for key, p in ((r.get("pairs") or {}).items() if isinstance(r, dict) else ()):
+            if "error" in p:
+                lines.append(f"| {label} | {key} | {p['error']} | | | | |")
+                continue
+            lo, hi = p["ratio_ci95"]
+            lines.append(f"| {label} | {key} | {p['baseline_median_ms']:.2f} | {p['candidate_median_ms']:.2f} | "
+                         f"{p['ratio_median']:.3f} | [{lo:.3f}, {hi:.3f}] | {len(p['ratios'])} |")
+    return "\n".join(lines)
 
 
 def _probe(t: dict[str, Any]) -> str:
@@ -399,6 +436,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for block_fusion.json")
     p.add_argument("--rounds", type=int, default=7, help="interleaved paired rounds (>= 5)")
+    p.add_argument("--pairs", type=int, default=24, help="adjacent ABBA pairs per variant against eager (0: none)")
     p.add_argument("--target-ms", type=float, default=250.0, help="time per sample (iterations chosen from it)")
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile regional anchor")
     p.add_argument("--compile-w81", action="store_true", help="also compile at W81 (long warm-up)")
@@ -411,7 +449,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
-        args.rounds, args.target_ms = 2, 1.0
+        args.rounds, args.target_ms, args.pairs = 2, 1.0, min(args.pairs, 4)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_cold_"))  # first call = cold start
     shapes = {**(SMOKE_WORKLOADS if args.smoke else WORKLOADS), "SANA480p": (2, 8, 8) if args.smoke else SANA_LATENT}
     results: dict[str, Any] = {"note": RANDOM_NOTE, "goals": {**GOALS, "first_call_s": FIRST_CALL_GOAL_S},
@@ -444,6 +482,7 @@ def main() -> None:
                 print(f"    {ms:8.2f} ms  x{count:<5d} {kname}")
     print(f"wrote {out / 'block_fusion.json'}")
     print(table(results))
+    print(pairs_table(results))
 
 
 if __name__ == "__main__":

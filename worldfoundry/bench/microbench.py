@@ -112,6 +112,41 @@ def interleaved(calls: dict[str, Callable[[], Any]], device: torch.device, *, ro
     return out
 
 
+def adjacent_pairs(baseline: Callable[[], Any], candidate: Callable[[], Any], device: torch.device, *,
+                   pairs: int, warmup: int = 2) -> dict[str, Any]:
+    """Single calls of ``baseline`` and ``candidate`` back to back, ``pairs`` times, in ABBA order.
+
+    Each pair's ratio compares two calls made within one or two call durations of each other, so a host whose
+    speed changes in phases lasting longer than that (the machines measured here: seconds) slows both calls of a
+    pair alike; alternating the order cancels a drift within the pair. Returns the median and the bootstrap 95 %
+    CI of the per-pair ratios ``baseline / candidate`` (> 1: the candidate is faster), each arm's median
+    milliseconds, the samples and the host probe (:func:`~worldfoundry.bench.host_speed.probe_ms`) before each pair.
+
+    Example:
+        >>> out = adjacent_pairs(lambda: torch.ones(64).sum(), lambda: torch.ones(8).sum(), torch.device("cpu"),
+        ...                      pairs=4)
+        >>> sorted(out)[:3], len(out["ratios"])
+        (['baseline_median_ms', 'baseline_ms', 'candidate_median_ms'], 4)
+    """
+    from worldfoundry.bench.stats import bootstrap_ci
+
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    sync(device)
+    base, cand, probes = [], [], []
+    for i in range(pairs):
+        probes.append(probe_ms())
+        order = ((base, baseline), (cand, candidate)) if i % 4 in (0, 3) else ((cand, candidate), (base, baseline))
+        for sink, fn in order:
+            sink.append(time_calls(fn, device, 1).device_ms)
+    ratios = [b / c for b, c in zip(base, cand, strict=True)]
+    low, high = bootstrap_ci(ratios)
+    return {"ratio_median": statistics.median(ratios), "ratio_ci95": [low, high], "ratios": ratios,
+            "baseline_median_ms": statistics.median(base), "candidate_median_ms": statistics.median(cand),
+            "baseline_ms": base, "candidate_ms": cand, "host_probe_ms": probes, "order": "ABBA"}
+
+
 def bf16_wan(config: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
     """A seeded ``WanTransformer3DModel`` built on ``device`` in bfloat16, except the tensors diffusers keeps in
     float32 when loading with ``torch_dtype=bfloat16`` (``_keep_in_fp32_modules``); eval mode."""

@@ -79,7 +79,8 @@ class NativeRunner:
         if len(timesteps) != steps:
             raise InvalidRequestError(f"scheduler produced {len(timesteps)} timesteps for {steps} steps")
         num_train = int(scheduler.config.num_train_timesteps)
-        schedule = self.denoiser.build_schedule(timesteps.tolist(), num_train)
+        timestep_values = timesteps.tolist()  # host copies: reading a device timestep per step would synchronise
+        schedule = self.denoiser.build_schedule(timestep_values, num_train)
         expert_order = list(self.denoiser.experts)
         timings: dict[str, Any] = {"steps_s": []}
 
@@ -100,7 +101,7 @@ class NativeRunner:
                 scale = guidance_for(request, expert_order.index(placement.expert))
                 outputs = {}
                 for branch in branches:
-                    ctx = RequestContext(rid, branch, i, float(t), placement.expert, steps,
+                    ctx = RequestContext(rid, branch, i, float(timestep_values[i]), placement.expert, steps,
                                          placement.expert_step_index, placement.expert_phase_length)
                     kwargs = self.driver.model_kwargs(prepared, latents, t, branch, self.dtype)
                     with request_scope(ctx):

@@ -41,6 +41,7 @@ from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
+from worldfoundry_block_fusion.direct_calls import feed_forward, native_sdpa, skips_dropout
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
@@ -229,7 +230,7 @@ class WanBlockRuntime:
             xf = None
         # 3. feed-forward
         h, xf = self._modulated(block.norm3, norms[2], x, xf, table, temb, 3, 4, mods, counts)
-        ff = block.ffn(h)
+        ff = feed_forward(block.ffn, h, global_hooks=not no_global_hooks())
         consumer = self._next[id(block)] if carry else None
         # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
         x, xf = self._gate(x, xf, ff, table, full_table, temb, 5, mods, carry, counts)
@@ -316,6 +317,10 @@ class WanBlockRuntime:
         return WanFusedSelfAttnProcessor(original, self, path)
 
 
+#: ``Tensor.unflatten`` without its Python wrapper (named-tensor handling, unused here): the same view
+_unflatten = torch._C.TensorBase.unflatten
+
+
 def _eager_modulation(table: torch.Tensor, temb: torch.Tensor) -> list[torch.Tensor]:
     """The six modulation tensors exactly as eager computes them."""
     if temb.ndim == 4:
@@ -328,7 +333,9 @@ class WanFusedSelfAttnProcessor:
 
     Everything else is the processor's own code path: ``_get_qkv_projections`` (so diffusers' or another plugin's
     fused projections apply), ``norm_q``/``norm_k``, ``dispatch_attention_fn`` with the processor's backend, and
-    ``to_out``. Cross-attention calls (``encoder_hidden_states`` given) go to the original processor.
+    ``to_out``. Cross-attention calls (``encoder_hidden_states`` given) go to the original processor. Where
+    diffusers' dispatcher would call PyTorch's SDPA directly, SDPA is called directly, and an identity dropout is
+    not called (:mod:`~worldfoundry_block_fusion.direct_calls`).
     """
 
     #: where :meth:`__call__` looks up ``dispatch_attention_fn`` at call time (so a policy that wraps that global,
@@ -352,18 +359,29 @@ class WanFusedSelfAttnProcessor:
         query, key, value = transformer_wan._get_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query)
         key = attn.norm_k(key)
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
+        heads = attn.heads
+        query = _unflatten(query, 2, (heads, -1))
+        key = _unflatten(key, 2, (heads, -1))
+        value = _unflatten(value, 2, (heads, -1))
         if rotary_emb is not None:
             query, key = self._rotary(query, key, rotary_emb)
-        hidden_states = transformer_wan.dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
+        dispatch = transformer_wan.dispatch_attention_fn
+        hidden_states = None if attention_mask is not None else native_sdpa(
+            dispatch, query, key, value, self._attention_backend, self._parallel_config)
+        if hidden_states is None:
+            hidden_states = dispatch(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                     backend=self._attention_backend, parallel_config=self._parallel_config)
         hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
+        if hidden_states.dtype != query.dtype:  # ``type_as`` returns the tensor itself when the dtypes agree
+            hidden_states = hidden_states.to(query.dtype)
+        to_out = attn.to_out
+        if type(to_out) is nn.ModuleList:  # its items without ModuleList's index arithmetic
+            out_proj, dropout = to_out._modules["0"], to_out._modules["1"]
+        else:
+            out_proj, dropout = to_out[0], to_out[1]
+        hidden_states = out_proj(hidden_states)
+        if not skips_dropout(dropout, global_hooks=not no_global_hooks()):
+            hidden_states = dropout(hidden_states)
         return hidden_states
 
     def _rotary(self, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:

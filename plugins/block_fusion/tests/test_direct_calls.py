@@ -1,0 +1,99 @@
+"""The fused Wan block's host shortcuts (:mod:`worldfoundry_block_fusion.direct_calls`): taken only where they run
+what eager runs; every wrapper, hook, patched dispatcher or other backend is still called."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers.models import attention_dispatch
+from diffusers.models.attention import FeedForward
+from diffusers.models.transformers import transformer_wan
+
+from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
+from worldfoundry_block_fusion.direct_calls import feed_forward, native_sdpa, skips_dropout
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+
+@pytest.fixture(autouse=True)
+def _helpers(kit) -> None:  # noqa: ANN001
+    globals().update(build_wan=kit.build_wan, wan_inputs=kit.wan_inputs, run=kit.run, make_registry=kit.make_registry)
+
+
+def install(model):
+    return install_diffusion_accelerations(model, {"wan_block_fusion": {}}, registry=make_registry())
+
+
+def test_skips_only_identity_dropouts_without_hooks() -> None:
+    assert skips_dropout(nn.Dropout(0.3).eval(), global_hooks=False)
+    assert skips_dropout(nn.Dropout(0.0).train(), global_hooks=False)
+    assert not skips_dropout(nn.Dropout(0.3).train(), global_hooks=False)
+    assert not skips_dropout(nn.Dropout(0.3).eval(), global_hooks=True)
+    hooked = nn.Dropout(0.0).eval()
+    hooked.register_forward_pre_hook(lambda m, a: None)
+    assert not skips_dropout(hooked, global_hooks=False)
+    assert not skips_dropout(nn.Identity(), global_hooks=False)
+
+    class MyDropout(nn.Dropout):
+        pass
+
+    assert not skips_dropout(MyDropout(0.0).eval(), global_hooks=False)
+
+
+def test_feed_forward_runs_net_directly_and_calls_hooked_or_foreign_modules() -> None:
+    torch.manual_seed(0)
+    ff = FeedForward(16, mult=2, activation_fn="gelu-approximate", dropout=0.5).eval()
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(feed_forward(ff, x, global_hooks=False), ff(x))
+    seen = []
+    handle = ff.net[1].register_forward_hook(lambda m, a, out: seen.append(1))
+    feed_forward(ff, x, global_hooks=False)
+    handle.remove()
+    assert seen == [1]
+    handle = ff.register_forward_hook(lambda m, a, out: out * 2)
+    assert torch.equal(feed_forward(ff, x, global_hooks=False), ff(x))
+    handle.remove()
+    other = nn.Sequential(nn.Linear(16, 16))
+    assert torch.equal(feed_forward(other, x, global_hooks=False), other(x))
+
+
+def test_native_sdpa_equals_the_dispatcher_and_yields_to_any_other_route() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 7, 2, 8) for _ in range(3))
+    dispatch = attention_dispatch.dispatch_attention_fn
+    direct = native_sdpa(dispatch, q, k, v, None, None)
+    assert direct is not None and torch.equal(direct, dispatch(q, k, v))
+    assert direct.stride() == dispatch(q, k, v).stride()
+    assert native_sdpa(lambda *a, **kw: None, q, k, v, None, None) is None  # a wrapped or patched dispatcher
+    assert native_sdpa(dispatch, q, k, v, "native", None) is None  # a backend named by the processor
+    assert native_sdpa(dispatch, q, k, v, None, object()) is None  # context parallelism
+    with attention_dispatch.attention_backend("_native_math"):
+        assert native_sdpa(dispatch, q, k, v, None, None) is None
+
+
+def test_fused_forward_calls_a_patched_dispatcher_and_hooked_dropouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_wan()
+    inputs = wan_inputs()
+    session = install(model)
+    dense_fused = run(model, inputs, "r0")
+    calls = []
+    original = transformer_wan.dispatch_attention_fn
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformer_wan, "dispatch_attention_fn", counting)
+    hooked = []
+    handles = [model.blocks[0].attn1.to_out[1].register_forward_hook(lambda m, a, out: hooked.append("attn")),
+               model.blocks[0].ffn.net[1].register_forward_hook(lambda m, a, out: hooked.append("ffn"))]
+    out = run(model, inputs, "r1")
+    for handle in handles:
+        handle.remove()
+    session.uninstall()
+    blocks = len(model.blocks)
+    assert len(calls) == 2 * blocks  # self-attention (fused processor) and cross-attention (stock processor)
+    assert sorted(hooked) == ["attn", "ffn"]
+    assert torch.equal(out, dense_fused)
+    assert torch.equal(run(model, inputs), dense_fused)
