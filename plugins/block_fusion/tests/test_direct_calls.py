@@ -11,7 +11,7 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
-from worldfoundry_block_fusion.direct_calls import feed_forward, native_sdpa, skips_dropout
+from worldfoundry_block_fusion.direct_calls import feed_forward, linear, native_sdpa, qkv_projections, skips_dropout
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -97,3 +97,65 @@ def test_fused_forward_calls_a_patched_dispatcher_and_hooked_dropouts(monkeypatc
     assert sorted(hooked) == ["attn", "ffn"]
     assert torch.equal(out, dense_fused)
     assert torch.equal(run(model, inputs), dense_fused)
+
+
+def test_linear_is_the_modules_own_computation_and_calls_anything_else() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    assert torch.equal(linear(lin, x, global_hooks=False), lin(x))
+    no_bias = nn.Linear(8, 4, bias=False)
+    assert torch.equal(linear(no_bias, x, global_hooks=False), no_bias(x))
+    lin.forward = lambda t: t[:, :4] * 0  # a wrapper put on the instance runs
+    assert torch.equal(linear(lin, x, global_hooks=False), torch.zeros(3, 4))
+    del lin.forward
+    handle = lin.register_forward_hook(lambda m, a, out: out + 1)
+    assert torch.equal(linear(lin, x, global_hooks=False), lin(x))
+    handle.remove()
+
+    class MyLinear(nn.Linear):
+        def forward(self, t):
+            return super().forward(t) * 2
+
+    mine = MyLinear(8, 4)
+    assert torch.equal(linear(mine, x, global_hooks=False), mine(x))
+
+
+def test_qkv_projections_use_diffusers_function_when_patched_or_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_wan()
+    attn = model.blocks[0].attn1
+    x = torch.randn(1, 6, attn.to_q.in_features, dtype=attn.to_q.weight.dtype, device=attn.to_q.weight.device)
+    expected = transformer_wan._get_qkv_projections(attn, x, None)
+    got = qkv_projections(transformer_wan._get_qkv_projections, attn, x, global_hooks=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    calls = []
+
+    def patched(a, h, e):
+        calls.append(1)
+        return expected
+
+    assert qkv_projections(patched, attn, x, global_hooks=False) is expected and calls == [1]
+    monkeypatch.setattr(attn, "fused_projections", True)
+    monkeypatch.setattr(attn, "to_qkv", nn.Identity(), raising=False)
+    out = qkv_projections(transformer_wan._get_qkv_projections, attn, torch.cat([x, x, x], dim=-1),
+                          global_hooks=False)
+    assert torch.equal(out[0], x)  # diffusers' fused path ran (to_qkv, then chunk)
+
+
+def test_fused_forward_runs_hooks_on_projections_and_the_ffn_and_stays_bitwise() -> None:
+    model = build_wan()
+    inputs = wan_inputs()
+    session = install(model)
+    fused = run(model, inputs, "r0")
+    block = model.blocks[0]
+    seen = []
+    handles = [m.register_forward_hook(lambda m, a, out, name=name: seen.append(name))
+               for name, m in (("to_q", block.attn1.to_q), ("to_out", block.attn1.to_out[0]),
+                               ("gelu", block.ffn.net[0]), ("proj", block.ffn.net[0].proj),
+                               ("down", block.ffn.net[2]))]
+    out = run(model, inputs, "r1")
+    for handle in handles:
+        handle.remove()
+    session.uninstall()
+    assert sorted(seen) == ["down", "gelu", "proj", "to_out", "to_q"]
+    assert torch.equal(out, fused)

@@ -6,8 +6,14 @@ operations eager runs, and otherwise the module or function is called as usual:
 
 * :func:`skips_dropout` -- an ``nn.Dropout`` that returns its input (evaluation mode or ``p == 0``: PyTorch's
   ``dropout`` returns the very input tensor then) and has no wrapper or hook of its own is not called.
-* :func:`feed_forward` -- diffusers' ``FeedForward`` (class forward, no wrapper or hook) runs its ``net`` directly,
-  so identity dropouts in it are skipped; any other feed-forward module is called.
+* :func:`linear` -- a plain ``nn.Linear`` (that class exactly, no wrapper, no hook, no process-wide hook) is
+  computed as its forward computes it, ``F.linear(x, weight, bias)``, without the module call around it. A Linear
+  another plugin replaced or wrapped (FP8, SVDQuant, LoRA) is called as a module.
+* :func:`qkv_projections` -- diffusers' ``_get_qkv_projections`` for unfused self-attention projections, with
+  :func:`linear`; a patched ``_get_qkv_projections`` or fused projections run diffusers' function.
+* :func:`feed_forward` -- diffusers' ``FeedForward`` (class forward, no wrapper or hook) runs its ``net`` directly:
+  identity dropouts are skipped, a plain diffusers ``GELU`` is its projection (:func:`linear`) and ``F.gelu``;
+  any other feed-forward module is called.
 * :func:`native_sdpa` -- ``dispatch_attention_fn`` with no backend given, PyTorch's native backend active and
   registered as diffusers ships it, no context parallelism, no mask and diffusers' argument checks off calls
   ``F.scaled_dot_product_attention`` on the ``[B, H, S, D]`` permutations exactly as diffusers' native backend does.
@@ -37,22 +43,66 @@ def skips_dropout(module: nn.Module, *, global_hooks: bool) -> bool:
             and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__))
 
 
-@functools.cache
-def _feed_forward_type() -> type | None:
+def _plain(module: nn.Module) -> bool:
+    """No wrapper and no hook of its own: calling it runs its class's ``forward`` and nothing else."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__)
+
+
+def linear(module: nn.Module, x: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
+    """``module(x)``; for a plain ``nn.Linear`` its forward's own ``F.linear(x, weight, bias)`` (module docs)."""
+    if type(module) is nn.Linear and not global_hooks and _plain(module):
+        params = module._parameters
+        return F.linear(x, params["weight"], params["bias"])
+    return module(x)
+
+
+def _original_qkv() -> Any:
     try:
-        from diffusers.models.attention import FeedForward
+        from diffusers.models.transformers import transformer_wan
     except ImportError:  # pragma: no cover - diffusers is a dependency
         return None
-    return FeedForward
+    return transformer_wan._get_qkv_projections
+
+
+#: diffusers' ``_get_qkv_projections`` as imported (before anything could patch it at run time)
+_ORIGINAL_QKV: list[Any] = [_original_qkv()]
+
+
+@functools.cache
+def _diffusers_types() -> tuple[Any, Any, Any]:
+    """(``FeedForward``, ``GELU``, the original ``transformer_wan._get_qkv_projections``)."""
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import FeedForward
+
+    return FeedForward, GELU, _ORIGINAL_QKV[0]
+
+
+def qkv_projections(get_qkv: Any, attn: nn.Module, hidden_states: torch.Tensor, *,
+                    global_hooks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``get_qkv(attn, hidden_states, None)`` (self-attention), its three projections with :func:`linear` where
+    ``get_qkv`` is diffusers' own and the projections are not fused."""
+    if get_qkv is not _diffusers_types()[2] or attn.fused_projections:
+        return get_qkv(attn, hidden_states, None)
+    mods = attn._modules
+    return (linear(mods["to_q"], hidden_states, global_hooks=global_hooks),
+            linear(mods["to_k"], hidden_states, global_hooks=global_hooks),
+            linear(mods["to_v"], hidden_states, global_hooks=global_hooks))
 
 
 def feed_forward(ffn: nn.Module, hidden_states: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
     """``ffn(hidden_states)``, running diffusers' ``FeedForward.net`` directly where that is what the call does."""
-    if (type(ffn) is not _feed_forward_type() or global_hooks or "forward" in ffn.__dict__
-            or ffn._forward_hooks or ffn._forward_pre_hooks):
+    ff_type, gelu_type, _ = _diffusers_types()
+    if type(ffn) is not ff_type or global_hooks or not _plain(ffn):
         return ffn(hidden_states)
     for module in ffn.net._modules.values():
-        if not skips_dropout(module, global_hooks=False):
+        kind = type(module)
+        if kind is gelu_type and _plain(module) and hidden_states.device.type != "mps":
+            hidden_states = linear(module._modules["proj"], hidden_states, global_hooks=False)
+            hidden_states = F.gelu(hidden_states, approximate=module.approximate)
+        elif kind is nn.Linear:
+            hidden_states = linear(module, hidden_states, global_hooks=False)
+        elif not skips_dropout(module, global_hooks=False):
             hidden_states = module(hidden_states)
     return hidden_states
 
@@ -89,4 +139,4 @@ def native_sdpa(dispatch: Any, query: torch.Tensor, key: torch.Tensor, value: to
     return out.permute(0, 2, 1, 3)
 
 
-__all__ = ["feed_forward", "native_sdpa", "skips_dropout"]
+__all__ = ["feed_forward", "linear", "native_sdpa", "qkv_projections", "skips_dropout"]

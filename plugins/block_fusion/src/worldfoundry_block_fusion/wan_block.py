@@ -41,7 +41,7 @@ from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
-from worldfoundry_block_fusion.direct_calls import feed_forward, native_sdpa, skips_dropout
+from worldfoundry_block_fusion.direct_calls import feed_forward, linear, native_sdpa, qkv_projections, skips_dropout
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
@@ -356,7 +356,9 @@ class WanFusedSelfAttnProcessor:
         if encoder_hidden_states is not None or attn.add_k_proj is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         # looked up in diffusers' module at call time, as the stock processor resolves them (a patch there applies)
-        query, key, value = transformer_wan._get_qkv_projections(attn, hidden_states, None)
+        global_hooks = not no_global_hooks()
+        query, key, value = qkv_projections(transformer_wan._get_qkv_projections, attn, hidden_states,
+                                            global_hooks=global_hooks)
         query = attn.norm_q(query)
         key = attn.norm_k(key)
         heads = attn.heads
@@ -379,8 +381,8 @@ class WanFusedSelfAttnProcessor:
             out_proj, dropout = to_out._modules["0"], to_out._modules["1"]
         else:
             out_proj, dropout = to_out[0], to_out[1]
-        hidden_states = out_proj(hidden_states)
-        if not skips_dropout(dropout, global_hooks=not no_global_hooks()):
+        hidden_states = linear(out_proj, hidden_states, global_hooks=global_hooks)
+        if not skips_dropout(dropout, global_hooks=global_hooks):
             hidden_states = dropout(hidden_states)
         return hidden_states
 
