@@ -11,7 +11,14 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
-from worldfoundry_block_fusion.direct_calls import feed_forward, linear, native_sdpa, qkv_projections, skips_dropout
+from worldfoundry_block_fusion.direct_calls import (
+    feed_forward,
+    fp32_layer_norm,
+    linear,
+    native_sdpa,
+    qkv_projections,
+    skips_dropout,
+)
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -159,3 +166,21 @@ def test_fused_forward_runs_hooks_on_projections_and_the_ffn_and_stays_bitwise()
     session.uninstall()
     assert sorted(seen) == ["down", "gelu", "proj", "to_out", "to_q"]
     assert torch.equal(out, fused)
+
+
+def test_fp32_layer_norm_is_f_layer_norm_only_for_float32_operands_without_hooks() -> None:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for norm in (FP32LayerNorm(16, elementwise_affine=False, eps=1e-6), FP32LayerNorm(16, eps=1e-6)):
+        assert torch.equal(fp32_layer_norm(norm, x, global_hooks=False), norm(x))
+        xb = x.bfloat16()
+        assert torch.equal(fp32_layer_norm(norm, xb, global_hooks=False), norm(xb))  # module path: bf16 out
+        assert fp32_layer_norm(norm, xb, global_hooks=False).dtype == torch.bfloat16
+    norm = FP32LayerNorm(16, eps=1e-6)
+    handle = norm.register_forward_hook(lambda m, a, out: out * 0)
+    assert torch.equal(fp32_layer_norm(norm, x, global_hooks=False), torch.zeros(2, 5, 16))
+    handle.remove()
+    plain = nn.LayerNorm(16)
+    assert torch.equal(fp32_layer_norm(plain, x, global_hooks=False), plain(x))

@@ -11,6 +11,8 @@ operations eager runs, and otherwise the module or function is called as usual:
   another plugin replaced or wrapped (FP8, SVDQuant, LoRA) is called as a module.
 * :func:`qkv_projections` -- diffusers' ``_get_qkv_projections`` for unfused self-attention projections, with
   :func:`linear`; a patched ``_get_qkv_projections`` or fused projections run diffusers' function.
+* :func:`fp32_layer_norm` -- diffusers' ``FP32LayerNorm`` on a float32 input with float32 (or no) affine
+  parameters: its forward's ``.float()`` and ``.to(float32)`` return their inputs, so it is ``F.layer_norm`` itself.
 * :func:`feed_forward` -- diffusers' ``FeedForward`` (class forward, no wrapper or hook) runs its ``net`` directly:
   identity dropouts are skipped, a plain diffusers ``GELU`` is its projection (:func:`linear`) and ``F.gelu``;
   any other feed-forward module is called.
@@ -90,6 +92,23 @@ def qkv_projections(get_qkv: Any, attn: nn.Module, hidden_states: torch.Tensor, 
             linear(mods["to_v"], hidden_states, global_hooks=global_hooks))
 
 
+@functools.cache
+def _fp32_layer_norm_type() -> type:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return FP32LayerNorm
+
+
+def fp32_layer_norm(norm: nn.Module, x: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
+    """``norm(x)``; for a plain diffusers ``FP32LayerNorm`` on float32 operands, ``F.layer_norm`` (module docs)."""
+    if type(norm) is _fp32_layer_norm_type() and x.dtype == torch.float32 and not global_hooks and _plain(norm):
+        params = norm._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if (weight is None or weight.dtype == torch.float32) and (bias is None or bias.dtype == torch.float32):
+            return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
+    return norm(x)
+
+
 def feed_forward(ffn: nn.Module, hidden_states: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
     """``ffn(hidden_states)``, running diffusers' ``FeedForward.net`` directly where that is what the call does."""
     ff_type, gelu_type, _ = _diffusers_types()
@@ -139,4 +158,4 @@ def native_sdpa(dispatch: Any, query: torch.Tensor, key: torch.Tensor, value: to
     return out.permute(0, 2, 1, 3)
 
 
-__all__ = ["feed_forward", "linear", "native_sdpa", "qkv_projections", "skips_dropout"]
+__all__ = ["feed_forward", "fp32_layer_norm", "linear", "native_sdpa", "qkv_projections", "skips_dropout"]

@@ -41,7 +41,14 @@ from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
-from worldfoundry_block_fusion.direct_calls import feed_forward, linear, native_sdpa, qkv_projections, skips_dropout
+from worldfoundry_block_fusion.direct_calls import (
+    feed_forward,
+    fp32_layer_norm,
+    linear,
+    native_sdpa,
+    qkv_projections,
+    skips_dropout,
+)
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
     REASON_TOKENS,
@@ -203,12 +210,13 @@ class WanBlockRuntime:
         """
         table = full_table[0]
         carry = self.carry_enabled and x.dtype != torch.float32
+        hooks = not no_global_hooks()
         mods = None if (self.modulate and self.gate) else _eager_modulation(full_table, temb)
         xf = self.carry.take(x, block) if carry else None
         if xf is not None:
             counts[FLOAT_CARRY] += 1  # counted where a carried float32 stream replaces a .float() cast
         # 1. self-attention
-        h, xf = self._modulated(block.norm1, norms[0], x, xf, table, temb, 0, 1, mods, counts)
+        h, xf = self._modulated(block.norm1, norms[0], x, xf, table, temb, 0, 1, mods, counts, hooks)
         attn = block.attn1(h, None, None, rotary_emb)
         x, xf = self._gate(x, xf, attn, table, full_table, temb, 2, mods, carry, counts)
         # 2. cross-attention
@@ -218,7 +226,7 @@ class WanBlockRuntime:
             counts[LAYER_NORM] += 1
         else:
             xf = x.float() if xf is None else xf
-            h = block.norm2(xf).type_as(x)
+            h = fp32_layer_norm(block.norm2, xf, global_hooks=hooks).type_as(x)
         attn = block.attn2(h, encoder_hidden_states, None, None)
         if self.cross and attn.dtype == x.dtype and attn.shape == x.shape:
             x, xf = residual_add(x, attn, with_float=carry)
@@ -229,8 +237,8 @@ class WanBlockRuntime:
             x = x + attn
             xf = None
         # 3. feed-forward
-        h, xf = self._modulated(block.norm3, norms[2], x, xf, table, temb, 3, 4, mods, counts)
-        ff = feed_forward(block.ffn, h, global_hooks=not no_global_hooks())
+        h, xf = self._modulated(block.norm3, norms[2], x, xf, table, temb, 3, 4, mods, counts, hooks)
+        ff = feed_forward(block.ffn, h, global_hooks=hooks)
         consumer = self._next[id(block)] if carry else None
         # the last block writes the float32 stream too (unused): one compiled kernel variant fewer on first use
         x, xf = self._gate(x, xf, ff, table, full_table, temb, 5, mods, carry, counts)
@@ -240,7 +248,8 @@ class WanBlockRuntime:
 
     def _modulated(self, norm: nn.Module, fused: bool, x: torch.Tensor, xf: torch.Tensor | None,
                    table: torch.Tensor, temb: torch.Tensor, k_shift: int, k_scale: int,
-                   mods: list[torch.Tensor] | None, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   mods: list[torch.Tensor] | None, counts: list[int],
+                   global_hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(norm(x.float()) * (1 + scale) + shift).type_as(x)`` and the float32 stream (computed if it ran)."""
         if fused:
             counts[LAYER_NORM] += 1
@@ -248,7 +257,7 @@ class WanBlockRuntime:
             return layer_norm_modulate(x, norm.eps, table, temb, k_shift, k_scale, out_dtype=x.dtype), xf
         if xf is None:
             xf = x.float()
-        n = norm(xf)
+        n = fp32_layer_norm(norm, xf, global_hooks=global_hooks)
         if self.modulate:
             counts[MODULATE] += 1
             return modulate(n, table, temb, k_shift, k_scale, out_dtype=x.dtype)[0], xf
