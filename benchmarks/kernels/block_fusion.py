@@ -13,7 +13,7 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
 * adjacent pairs (``--pairs``, default 24): single forwards of eager and of ``block_fusion``, ``cuda_graph``,
-  ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA order, median per-pair ratio and its bootstrap
+  ``block_fusion+layer_norm``, ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA order, median per-pair ratio and its bootstrap
   95 % CI -- the ratio on one host speed, where the rounds above compare samples seconds apart (this machine's host
   speed changes in phases of seconds: ``benchmarks/profiling/host_noise_probe.py``);
 * ``block_fusion:normal_launch``: the same fused model with every kernel launched through Triton's normal
@@ -373,7 +373,7 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
 
 
 #: The variants timed against eager in adjacent pairs (see the module docs).
-PAIRED_VARIANTS = ("block_fusion", "cuda_graph", "block_fusion+cuda_graph", "compile")
+PAIRED_VARIANTS = ("block_fusion", "block_fusion+layer_norm", "cuda_graph", "block_fusion+cuda_graph", "compile")
 
 
 def pair_ratios(calls: dict[str, Callable[[], Any]], device: torch.device, pairs: int) -> dict[str, Any]:
