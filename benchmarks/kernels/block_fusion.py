@@ -12,10 +12,11 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
   cache is pointed at an empty directory so the figure is a cold start);
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
-* adjacent pairs (``--pairs``, default 24): single forwards of eager and of ``block_fusion``, ``cuda_graph``,
-  ``block_fusion+layer_norm``, ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA order, median per-pair ratio and its bootstrap
-  95 % CI -- the ratio on one host speed, where the rounds above compare samples seconds apart (this machine's host
-  speed changes in phases of seconds: ``benchmarks/profiling/host_noise_probe.py``);
+* adjacent pairs (``--pairs``, default 24): single forwards of eager and of each of ``block_fusion``,
+  ``block_fusion+layer_norm``, ``cuda_graph``, ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA
+  order, median per-pair ratio and its bootstrap 95 % CI -- the ratio on one host speed, where the rounds above
+  compare samples seconds apart (this machine's host speed changes in phases of seconds:
+  ``benchmarks/profiling/host_noise_probe.py``);
 * ``block_fusion:normal_launch``: the same fused model with every kernel launched through Triton's normal
   ``kernel[grid](...)`` path instead of the compiled kernel's launcher (the host cost of launching);
 * Wan: ``cuda_graph`` alone and ``block_fusion+cuda_graph`` (the forward replayed from one CUDA graph; bitwise
