@@ -140,7 +140,34 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     if device is None:
         pytest.skip(f"the fusion kernels cannot run here: {reason}")
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", device)
+    if device.type == "cpu":
+        cuda_rms_norm_on_cpu(monkeypatch)
     return device
+
+
+#: PyTorch's own ``F.rms_norm`` (the ``kernels`` fixture replaces it on the CPU; see :func:`cuda_rms_norm_on_cpu`)
+TORCH_RMS_NORM = torch.nn.functional.rms_norm
+
+
+def cuda_rms_norm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager's RMSNorm computed with PyTorch's CUDA algorithm (the step-by-step reference, ``1 / sqrt`` as the
+    interpreter computes ``rsqrt``) and the ``qk_norm`` chain allowed on the CPU, so that the fused self-attention
+    and eager compute the same algorithm here; the GPU tests compare against PyTorch's own CUDA RMSNorm.
+    ``test_qk_norm.py`` checks the real CPU fallback without this."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from worldfoundry.core.fusion.layer_norm_reference import reference_rms_norm
+    from worldfoundry_block_fusion import qk_norm
+
+    original = F.rms_norm
+
+    def cuda_algorithm(x, shape, weight=None, eps=None):  # noqa: ANN001, ANN202
+        if eps is None or tuple(shape) != (x.shape[-1],) or x.shape[-1] % 4:
+            return original(x, shape, weight, eps)
+        return reference_rms_norm(x, eps, weight)
+
+    monkeypatch.setattr(F, "rms_norm", cuda_algorithm)
+    monkeypatch.setattr(qk_norm, "QK_NORM_DEVICES", ("cuda", "cpu"))
 
 
 @pytest.fixture

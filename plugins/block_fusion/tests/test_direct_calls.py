@@ -12,11 +12,13 @@ from diffusers.models.transformers import transformer_wan
 
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations
 from worldfoundry_block_fusion.direct_calls import (
+    cross_attention,
     feed_forward,
     fp32_layer_norm,
     linear,
     native_sdpa,
     qkv_projections,
+    rms_norm,
     skips_dropout,
 )
 
@@ -184,3 +186,52 @@ def test_fp32_layer_norm_is_f_layer_norm_only_for_float32_operands_without_hooks
     handle.remove()
     plain = nn.LayerNorm(16)
     assert torch.equal(fp32_layer_norm(plain, x, global_hooks=False), plain(x))
+
+
+def test_rms_norm_is_the_modules_own_computation() -> None:
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(rms_norm(norm, x, global_hooks=False), norm(x))
+    handle = norm.register_forward_hook(lambda m, a, out: out * 0)
+    assert torch.equal(rms_norm(norm, x, global_hooks=False), torch.zeros_like(x))
+    handle.remove()
+    assert torch.equal(rms_norm(nn.Identity(), x, global_hooks=False), x)
+
+
+def _cross_inputs(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    w = attn.to_q.weight
+    torch.manual_seed(3)
+    return (torch.randn(1, 9, attn.to_q.in_features, dtype=w.dtype, device=w.device),
+            torch.randn(1, 5, attn.to_k.in_features, dtype=w.dtype, device=w.device))
+
+
+def test_cross_attention_equals_the_module_call_and_defers_to_anything_else() -> None:
+    model = build_wan()
+    attn = model.blocks[0].attn2
+    h, e = _cross_inputs(attn)
+    expected = attn(h, e, None, None)
+    assert torch.equal(cross_attention(attn, h, e, global_hooks=False), expected)
+    seen = []
+    handle = attn.to_k.register_forward_hook(lambda m, a, out: seen.append("to_k"))
+    assert torch.equal(cross_attention(attn, h, e, global_hooks=False), expected)
+    handle.remove()
+    handle = attn.register_forward_hook(lambda m, a, out: seen.append("attn2") or out * 0)
+    assert torch.equal(cross_attention(attn, h, e, global_hooks=False), torch.zeros_like(expected))
+    handle.remove()
+    assert seen == ["to_k", "attn2"]
+
+    class OtherProcessor(transformer_wan.WanAttnProcessor):
+        def __call__(self, *args, **kwargs):
+            seen.append("processor")
+            return super().__call__(*args, **kwargs)
+
+    original = attn.processor
+    attn.set_processor(OtherProcessor())
+    try:
+        assert torch.equal(cross_attention(attn, h, e, global_hooks=False), expected)
+    finally:
+        attn.set_processor(original)
+    assert seen[-1] == "processor"

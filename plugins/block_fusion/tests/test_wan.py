@@ -20,7 +20,7 @@ def _helpers(kit) -> None:  # noqa: ANN001
     globals().update(build_wan=kit.build_wan, wan_inputs=kit.wan_inputs, run=kit.run, record_of=kit.record_of,
                      structure=kit.structure, assert_same_structure=kit.assert_same_structure,
                      make_registry=kit.make_registry)
-ALL = {"modulate": 4, "gated_residual": 4, "cross_residual": 2, "rope": 2}
+ALL = {"modulate": 4, "gated_residual": 4, "cross_residual": 2, "rope": 2, "qk_norm": 2}
 
 
 def install(model, options=None, **kwargs):
@@ -42,7 +42,7 @@ def test_bf16_forward_is_bitwise_and_every_chain_is_counted_per_block() -> None:
     # the float32 stream is carried into norm2 and norm3 of each block and into the next block's norm1
     assert record["counters"]["float_carry"] == 5
     assert record["modules"]["blocks.0"] == {"modulate": 2, "gated_residual": 2, "cross_residual": 1, "rope": 1,
-                                             "float_carry": 2}
+                                             "float_carry": 2, "qk_norm": 1}
     assert record["modules"]["blocks.1"]["float_carry"] == 3  # and blocks.0's output stream into its norm1
     assert session.receipt.to_json()["plugins"][0]["exact"] is True
     session.uninstall()
@@ -65,7 +65,7 @@ def test_uninstall_restores_exactly_and_signatures_are_kept() -> None:
 
 
 @pytest.mark.parametrize("chains", [["modulate"], ["gated_residual"], ["cross_residual", "float_carry"], ["rope"],
-                                    ["modulate", "rope"]])
+                                    ["modulate", "rope"], ["rope", "qk_norm"]])
 def test_each_chain_alone_is_bitwise(chains: list[str]) -> None:
     model = build_wan(num_layers=1)
     inputs = wan_inputs()
@@ -114,7 +114,8 @@ def test_cpu_without_the_interpreter_falls_back_visibly(monkeypatch: pytest.Monk
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert torch.equal(run(model, inputs, "r1"), dense)
     record = record_of(session, "r1")
-    assert record["module_fallbacks"]["blocks.0"] == {REASON_DEVICE: 1, f"rope: {REASON_DEVICE}": 1}
+    assert record["module_fallbacks"]["blocks.0"] == {REASON_DEVICE: 1, f"rope: {REASON_DEVICE}": 1,
+                                                      f"qk_norm: {REASON_DEVICE}": 1}
     assert record["claimed_not_executed"] == ["blocks.0"]
     session.uninstall()
 
@@ -125,13 +126,14 @@ def test_grad_mode_and_min_tokens_fall_back() -> None:
     dense = run(model, inputs)
     session = install(model, {"min_tokens": 33})  # 32 tokens per sample
     assert torch.equal(run(model, inputs, "r1"), dense)
-    assert record_of(session, "r1")["module_fallbacks"]["blocks.0"] == {REASON_TOKENS: 1, f"rope: {REASON_TOKENS}": 1}
+    assert record_of(session, "r1")["module_fallbacks"]["blocks.0"] == {
+        REASON_TOKENS: 1, f"rope: {REASON_TOKENS}": 1, f"qk_norm: {REASON_TOKENS}": 1}
     session.uninstall()
     session = install(model)
     out = model(**inputs)[0]  # grad mode on: the kernels are inference-only
     assert torch.equal(out.detach(), dense)
     reasons = record_of(session, "<no-request>")["module_fallbacks"]["blocks.0"]
-    assert reasons == {REASON_GRAD: 1, f"rope: {REASON_GRAD}": 1}
+    assert reasons == {REASON_GRAD: 1, f"rope: {REASON_GRAD}": 1, f"qk_norm: {REASON_GRAD}": 1}
     session.uninstall()
 
 
@@ -155,7 +157,7 @@ def test_a_hook_added_after_install_still_runs_and_stays_bitwise() -> None:
 
 
 def test_precompile_covers_every_kernel_variant_the_first_forward_launches(monkeypatch) -> None:  # noqa: ANN001
-    from worldfoundry.core.fusion import adaln, rope
+    from worldfoundry.core.fusion import adaln, qk_norm_rope, rope
     from worldfoundry_block_fusion.wan_block import WanBlockRuntime
 
     model = build_wan()
@@ -167,16 +169,20 @@ def test_precompile_covers_every_kernel_variant_the_first_forward_launches(monke
 
     def spy(self, *args):  # noqa: ANN001, ANN202
         original(self, *args)
-        seen.append(set(adaln._PLANS) | set(rope._PLANS))
+        seen.append(plans())
+
+    def plans() -> set:
+        return set(adaln._PLANS) | set(rope._PLANS) | set(qk_norm_rope._PLANS)
 
     monkeypatch.setattr(WanBlockRuntime, "precompile", spy)
-    adaln._PLANS.clear()
-    rope._PLANS.clear()
+    for module in (adaln, rope, qk_norm_rope):
+        module._PLANS.clear()
     out = run(model, inputs, "r1")
     assert torch.equal(out, dense)
     assert len(seen) == 1  # once per model, at its first fused block
-    # modulate, gated residual (+ float32 carry), cross residual, rotary: no plan appears after precompilation
-    assert len(seen[0]) == 4 and set(adaln._PLANS) | set(rope._PLANS) == seen[0]
+    # modulate, gated residual (+ float32 carry), cross residual, Q/K norms + rotary: no plan appears afterwards
+    assert len(seen[0]) == 4 and plans() == seen[0]
+    assert len(qk_norm_rope._PLANS) == 1 and not rope._PLANS
     record = record_of(session, "r1")
     for chain, n in ALL.items():  # precompilation counts nothing
         assert record["counters"][chain] == n, chain

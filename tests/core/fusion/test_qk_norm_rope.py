@@ -232,3 +232,29 @@ def test_module_imports_without_triton() -> None:
             "assert not m.TRITON_AVAILABLE\nprint('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("b,s", [(1, 5), (2, 7), (3, 1)])
+def test_chunks_of_a_packed_projection_are_read_in_place(b: int, s: int) -> None:
+    """Q and K as chunks of one fused ``[B, S, 3C]`` projection output (rows ``3C`` apart), as ``optimized_mha`` and
+    diffusers' fused projections hand them over: the same values as their contiguous copies, so the same bits."""
+    h, d = 2, 16
+    q, k, wq, wk, cos, sin = _operands(b, s, h, d, BF16, F64, 1, seed=b + s)
+    packed = torch.cat([q, k, q], dim=-1)
+    qc, kc, _ = packed.chunk(3, dim=-1)
+    assert qk_norm_rope.row_stride(qc) == (3 * h * d if s > 1 else packed.stride(0))
+    assert reason(qc, kc, wq, wk, cos, sin, h) is None
+    out = rms_norm_rope_qk(qc, kc, wq, wk, 1e-6, 1e-5, h, cos, sin)
+    ref = rms_norm_rope_qk(q, k, wq, wk, 1e-6, 1e-5, h, cos, sin)
+    assert _bits_equal(out[0], ref[0]) and _bits_equal(out[1], ref[1])
+    _check_bitwise(qc, kc, wq, wk, cos, sin, h)
+
+
+def test_row_stride_of_layouts() -> None:
+    x = torch.zeros(2, 3, 8)
+    assert qk_norm_rope.row_stride(x) == 8
+    assert qk_norm_rope.row_stride(torch.zeros(2, 3, 24)[..., 8:16]) == 24
+    assert qk_norm_rope.row_stride(x.transpose(0, 1)) is None  # batches interleaved with tokens
+    assert qk_norm_rope.row_stride(torch.zeros(2, 3, 16)[..., ::2]) is None  # channels not contiguous
+    assert qk_norm_rope.row_stride(torch.zeros(3, 8)) is None

@@ -100,18 +100,20 @@ if TRITON_AVAILABLE:
         return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER, RMS)
 
     @triton.jit
-    def _row_stats(x_ptr, rows, live_rows, N, eps, R: tl.constexpr, NV: tl.constexpr, MEAN_ORDER: tl.constexpr,
-                   APPROX_RSQRT: tl.constexpr, RMS: tl.constexpr):
+    def _row_stats(x_ptr, rows, live_rows, N, row_stride, eps, R: tl.constexpr, NV: tl.constexpr,
+                   MEAN_ORDER: tl.constexpr, APPROX_RSQRT: tl.constexpr, RMS: tl.constexpr):
         """(mean, rstd), each ``[R, 1]``, of ``R`` rows in the order of PyTorch's ``compute_stats`` (module docs).
 
-        Each row's 128 thread states are one 128-lane vector; masked-out rows compute on zeros and are not stored.
+        Row ``r`` starts at ``x_ptr + r * row_stride`` (``N`` for a contiguous tensor) and its ``N`` elements are
+        contiguous. Each row's 128 thread states are one 128-lane vector; masked-out rows compute on zeros and are
+        not stored.
         """
         t = tl.arange(0, 128)
         mean = tl.zeros((R, 128), tl.float32)
         m2 = tl.zeros((R, 128), tl.float32)
         n = tl.zeros((R, 128), tl.float32)
         n_vec = N // 4
-        base = rows[:, None] * N
+        base = rows[:, None] * row_stride
         for i in tl.static_range(NV):
             v_idx = i * 128 + t
             live = live_rows[:, None] & (v_idx < n_vec)[None, :]
@@ -161,7 +163,7 @@ if TRITON_AVAILABLE:
             first = first.to(tl.int64)
             rows = rows.to(tl.int64)
         live_rows = rows < M
-        mean, rstd = _row_stats(x_ptr, rows, live_rows, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT, MODE == 2)
+        mean, rstd = _row_stats(x_ptr, rows, live_rows, N, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT, MODE == 2)
         bs = rows // S
         ss = rows - bs * S
         for chunk in tl.static_range(N_CHUNKS):

@@ -85,8 +85,9 @@ def reference_row_stats(x: torch.Tensor, eps: float, *, mean_order: int = 0, app
     for half in (2, 1):
         state = _halve(state, half, mean_order, merge)
     mean, m2 = state[0][:, 0], state[1][:, 0]
-    var = m2 / torch.tensor(float(n), dtype=torch.float32)
-    v = var + torch.tensor(eps, dtype=torch.float32)
+    # divisors on m2's device: a CUDA tensor divided by a CPU scalar tensor is multiplied by its (inexact) reciprocal
+    var = m2 / torch.full_like(m2, float(n))
+    v = var + torch.full_like(var, eps)
     rstd = torch.rsqrt(v) if approx_rsqrt else (1.0 / torch.sqrt(v.double())).float()
     return mean, rstd
 

@@ -72,12 +72,13 @@ if TRITON_AVAILABLE:
     from worldfoundry.core.fusion.rope import _rotate_pair
 
     @triton.jit
-    def _norm_rope_rows(x_ptr, w_ptr, o_ptr, cos_ptr, sin_ptr, rows, live_rows, N, D, S, eps, f_b, f_s, f_d,
-                        R: tl.constexpr, NV: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
+    def _norm_rope_rows(x_ptr, w_ptr, o_ptr, cos_ptr, sin_ptr, rows, live_rows, N, x_rs, D, S, eps, f_b, f_s,
+                        f_d, R: tl.constexpr, NV: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
                         COMPUTE: tl.constexpr, OUT_BF16: tl.constexpr, APPROX_RSQRT: tl.constexpr,
                         INDEX_64: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-        """RMSNorm (weighted, rounded to the input dtype) then the rotary of ``R`` contiguous rows of ``N``."""
-        _, rstd = _row_stats(x_ptr, rows, live_rows, N, eps, R, NV, 0, APPROX_RSQRT, True)
+        """RMSNorm (weighted, rounded to the input dtype) then the rotary of ``R`` rows of ``N`` contiguous elements
+        (input rows ``x_rs`` apart; the output is contiguous)."""
+        _, rstd = _row_stats(x_ptr, rows, live_rows, N, x_rs, eps, R, NV, 0, APPROX_RSQRT, True)
         bs = rows // S
         ss = rows - bs * S
         fbase = (bs * f_b + ss * f_s)[:, None]
@@ -91,7 +92,7 @@ if TRITON_AVAILABLE:
             cmask = cols < N
             mask = live_rows[:, None] & cmask[None, :]
             offs = rows[:, None] * N + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * x_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             y = rstd * x  # PyTorch's RMSNorm epilogue: rstd * x, then weight * that, rounded to the output dtype
             y = w * y
@@ -107,8 +108,8 @@ if TRITON_AVAILABLE:
             store_rounded(o_ptr + offs, out, mask, OUT_BF16, SOFTWARE_ROUNDING)
 
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, M, S, N, D, eps_q,
-                             eps_k, f_b, f_s, f_d, R: tl.constexpr, NV: tl.constexpr, BLOCK_C: tl.constexpr,
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, M, S, N, q_rs, k_rs, D,
+                             eps_q, eps_k, f_b, f_s, f_d, R: tl.constexpr, NV: tl.constexpr, BLOCK_C: tl.constexpr,
                              N_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr, OUT_BF16: tl.constexpr,
                              APPROX_RSQRT: tl.constexpr, INDEX_64: tl.constexpr,
                              SOFTWARE_ROUNDING: tl.constexpr):
@@ -117,11 +118,11 @@ if TRITON_AVAILABLE:
             rows = rows.to(tl.int64)
         live_rows = rows < M
         if tl.program_id(1) == 0:
-            _norm_rope_rows(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, rows, live_rows, N, D, S, eps_q, f_b, f_s,
+            _norm_rope_rows(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, rows, live_rows, N, q_rs, D, S, eps_q, f_b, f_s,
                             f_d, R, NV, BLOCK_C, N_CHUNKS, COMPUTE, OUT_BF16, APPROX_RSQRT, INDEX_64,
                             SOFTWARE_ROUNDING)
         else:
-            _norm_rope_rows(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, rows, live_rows, N, D, S, eps_k, f_b, f_s,
+            _norm_rope_rows(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, rows, live_rows, N, k_rs, D, S, eps_k, f_b, f_s,
                             f_d, R, NV, BLOCK_C, N_CHUNKS, COMPUTE, OUT_BF16, APPROX_RSQRT, INDEX_64,
                             SOFTWARE_ROUNDING)
 
@@ -132,6 +133,26 @@ def _freqs_strides(cos: torch.Tensor) -> tuple[int, int, int]:
                  for i, (size, stride) in enumerate(zip(cos.shape, cos.stride(), strict=True)) if i != 2)
 
 
+def row_stride(x: torch.Tensor) -> int | None:
+    """The distance between rows when ``x`` ``[B, S, C]`` is ``B * S`` rows of ``C`` contiguous elements at one
+    stride (a contiguous tensor: ``C``; a chunk of a packed projection output such as fused Q/K/V: its token
+    stride), or ``None`` when it is not."""
+    if x.dim() != 3:
+        return None
+    b, s, c = x.shape
+    if x.is_contiguous():
+        return c
+    if x.stride(2) != 1:
+        return None
+    if s == 1:
+        stride = x.stride(0)
+    else:
+        stride = x.stride(1)
+        if b > 1 and x.stride(0) != s * stride:
+            return None
+    return stride if stride >= c else None
+
+
 def _geometry_reason(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Tensor, weight_k: torch.Tensor,
                      freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, heads: int) -> str | None:
     """The shape, dtype, layout and device part of :func:`reason` (what a launch plan fixes)."""
@@ -139,8 +160,8 @@ def _geometry_reason(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Ten
         return f"query/key dtype {query.dtype}/{key.dtype} (the kernel takes bfloat16 or float32, both the same)"
     if query.dim() != 3 or key.shape != query.shape:
         return f"query/key shapes {tuple(query.shape)}/{tuple(key.shape)} are not one [B, S, C]"
-    if not (query.is_contiguous() and key.is_contiguous()):
-        return "query or key not contiguous"
+    if row_stride(query) is None or row_stride(key) is None:
+        return "query or key rows are not evenly spaced runs of contiguous channels"
     bsz, s, c = query.shape
     if heads <= 0 or c % heads:
         return f"width {c} not divisible by {heads} heads"
@@ -167,7 +188,8 @@ def reason(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Tensor, weigh
            freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, heads: int) -> str | None:
     """Why :func:`rms_norm_rope_qk` cannot reproduce eager for these operands (``None`` when it can).
 
-    The operands as the processor holds them: ``query``/``key`` contiguous ``[B, S, C]`` bfloat16 or float32,
+    The operands as the processor holds them: ``query``/``key`` ``[B, S, C]`` bfloat16 or float32 whose rows are
+    ``C`` contiguous elements at one stride (:func:`row_stride`: contiguous, or chunks of a fused projection),
     ``weight_q``/``weight_k`` contiguous ``[C]`` of that dtype, ``freqs_cos``/``freqs_sin`` ``[1 or B, S, 1, D]``
     float64 or float32 with equal strides, ``C = heads * D`` with ``D`` even, all on one device; and PyTorch must
     be about to take the vectorized RMSNorm kernel the statistics reproduce
@@ -206,7 +228,8 @@ def _plan(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Tensor, weight
                   **launch_options(NUM_WARPS))
     grid = (-(-rows // ROWS_PER_PROGRAM), 2)  # axis 1: 0 query, 1 key
     return KernelLauncher(_qk_norm_rope_kernel, grid, n_pointers=8,
-                          fixed=(rows, s, n, n // heads, float(eps_q), float(eps_k), f_b, f_s, f_d),
+                          fixed=(rows, s, n, row_stride(query), row_stride(key), n // heads, float(eps_q),
+                                 float(eps_k), f_b, f_s, f_d),
                           constexprs=kwargs)
 
 
@@ -216,7 +239,8 @@ def rms_norm_rope_qk(query: torch.Tensor, key: torch.Tensor, weight_q: torch.Ten
     """``apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), cos, sin)`` for Q and K in one launch.
 
     Args:
-        query, key: contiguous ``[B, S, C]`` bfloat16 or float32 (the projections' outputs).
+        query, key: ``[B, S, C]`` bfloat16 or float32, rows of contiguous channels at one stride (:func:`row_stride`:
+            the projections' outputs, separate or chunks of a fused Q/K/V).
         weight_q, weight_k: the RMSNorm weights, contiguous ``[C]`` of the input dtype.
         eps_q, eps_k: the RMSNorm epsilons (rounded to float32, as PyTorch does).
         heads: ``H``; ``C // heads`` is the (even) head dim ``D``.
@@ -263,4 +287,4 @@ def reference_rms_norm_rope_qk(query: torch.Tensor, key: torch.Tensor, weight_q:
     return reference_rope(q, freqs_cos, freqs_sin), reference_rope(k, freqs_cos, freqs_sin)
 
 
-__all__ = ["FREQ_DTYPES", "QK_DTYPES", "reason", "reference_rms_norm_rope_qk", "rms_norm_rope_qk"]
+__all__ = ["FREQ_DTYPES", "QK_DTYPES", "reason", "reference_rms_norm_rope_qk", "rms_norm_rope_qk", "row_stride"]

@@ -11,6 +11,10 @@ operations eager runs, and otherwise the module or function is called as usual:
   another plugin replaced or wrapped (FP8, SVDQuant, LoRA) is called as a module.
 * :func:`qkv_projections` -- diffusers' ``_get_qkv_projections`` for unfused self-attention projections, with
   :func:`linear`; a patched ``_get_qkv_projections`` or fused projections run diffusers' function.
+* :func:`rms_norm` -- a plain ``nn.RMSNorm`` is ``F.rms_norm(x, normalized_shape, weight, eps)``, its forward.
+* :func:`cross_attention` -- the block's ``attn2`` call, where the module is diffusers' ``WanAttention`` with its
+  stock ``WanAttnProcessor`` (that class exactly, no backend set on it), no image projections, no wrapper or hook:
+  the processor's cross-attention steps in its order with the shortcuts above; anything else calls the module.
 * :func:`fp32_layer_norm` -- diffusers' ``FP32LayerNorm`` on a float32 input with float32 (or no) affine
   parameters: its forward's ``.float()`` and ``.to(float32)`` return their inputs, so it is ``F.layer_norm`` itself.
 * :func:`feed_forward` -- diffusers' ``FeedForward`` (class forward, no wrapper or hook) runs its ``net`` directly:
@@ -92,6 +96,77 @@ def qkv_projections(get_qkv: Any, attn: nn.Module, hidden_states: torch.Tensor, 
             linear(mods["to_v"], hidden_states, global_hooks=global_hooks))
 
 
+def rms_norm(norm: nn.Module, x: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
+    """``norm(x)``; for a plain ``nn.RMSNorm`` its forward's own ``F.rms_norm``."""
+    if type(norm) is nn.RMSNorm and not global_hooks and _plain(norm):
+        return F.rms_norm(x, norm.normalized_shape, norm._parameters["weight"], norm.eps)
+    return norm(x)
+
+
+def attention(dispatch: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: Any,
+              parallel_config: Any) -> torch.Tensor:
+    """``dispatch(query, key, value, ...)`` as Wan's processor calls it (no mask), with :func:`native_sdpa`."""
+    out = native_sdpa(dispatch, query, key, value, backend, parallel_config)
+    if out is None:
+        out = dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend,
+                       parallel_config=parallel_config)
+    return out
+
+
+def output_projection(attn: nn.Module, hidden_states: torch.Tensor, *, global_hooks: bool) -> torch.Tensor:
+    """``attn.to_out[1](attn.to_out[0](hidden_states))`` with :func:`linear` and :func:`skips_dropout`."""
+    to_out = attn.to_out
+    if type(to_out) is nn.ModuleList:  # its items without ModuleList's index arithmetic
+        out_proj, dropout = to_out._modules["0"], to_out._modules["1"]
+    else:
+        out_proj, dropout = to_out[0], to_out[1]
+    hidden_states = linear(out_proj, hidden_states, global_hooks=global_hooks)
+    if not skips_dropout(dropout, global_hooks=global_hooks):
+        hidden_states = dropout(hidden_states)
+    return hidden_states
+
+
+@functools.cache
+def _wan_types() -> tuple[type, type]:
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
+
+    return WanAttention, WanAttnProcessor
+
+
+def cross_attention(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, *,
+                    global_hooks: bool) -> torch.Tensor:
+    """``attn(hidden_states, encoder_hidden_states, None, None)`` (module docs)."""
+    from diffusers.models.transformers import transformer_wan
+
+    attention_type, processor_type = _wan_types()
+    processor = attn.processor
+    if (type(attn) is not attention_type or type(processor) is not processor_type or global_hooks
+            or not _plain(attn) or attn.add_k_proj is not None or processor._attention_backend is not None):
+        return attn(hidden_states, encoder_hidden_states, None, None)
+    get_qkv = transformer_wan._get_qkv_projections
+    if get_qkv is not _ORIGINAL_QKV[0] or attn.fused_projections:
+        query, key, value = get_qkv(attn, hidden_states, encoder_hidden_states)
+    else:
+        mods = attn._modules
+        query = linear(mods["to_q"], hidden_states, global_hooks=False)
+        key = linear(mods["to_k"], encoder_hidden_states, global_hooks=False)
+        value = linear(mods["to_v"], encoder_hidden_states, global_hooks=False)
+    query = rms_norm(attn.norm_q, query, global_hooks=False)
+    key = rms_norm(attn.norm_k, key, global_hooks=False)
+    heads = attn.heads
+    query = unflatten_view(query, 2, (heads, -1))
+    hidden_states = attention(transformer_wan.dispatch_attention_fn, query, unflatten_view(key, 2, (heads, -1)),
+                              unflatten_view(value, 2, (heads, -1)), None, None)
+    hidden_states = hidden_states.flatten(2, 3)
+    if hidden_states.dtype != query.dtype:  # ``type_as`` returns the tensor itself when the dtypes agree
+        hidden_states = hidden_states.to(query.dtype)
+    return output_projection(attn, hidden_states, global_hooks=False)
+
+
+#: ``Tensor.unflatten`` without its Python wrapper (named-tensor handling, unused here): the same view
+unflatten_view = torch._C.TensorBase.unflatten
+
+
 @functools.cache
 def _fp32_layer_norm_type() -> type:
     from diffusers.models.normalization import FP32LayerNorm
@@ -158,4 +233,5 @@ def native_sdpa(dispatch: Any, query: torch.Tensor, key: torch.Tensor, value: to
     return out.permute(0, 2, 1, 3)
 
 
-__all__ = ["feed_forward", "fp32_layer_norm", "linear", "native_sdpa", "qkv_projections", "skips_dropout"]
+__all__ = ["attention", "cross_attention", "feed_forward", "fp32_layer_norm", "linear", "native_sdpa", "output_projection",
+           "qkv_projections", "rms_norm", "skips_dropout", "unflatten_view"]

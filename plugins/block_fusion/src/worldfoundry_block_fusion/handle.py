@@ -24,8 +24,10 @@ from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle
 
 #: Every chain name of both plugins, in the index order of :attr:`BlockCounts.counts`.
 CHAIN_INDEX: dict[str, int] = {name: i for i, name in enumerate(
-    ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "linear_attention", "glu", "layer_norm"))}
-MODULATE, GATED_RESIDUAL, CROSS_RESIDUAL, ROPE, FLOAT_CARRY, LINEAR_ATTENTION, GLU, LAYER_NORM = range(len(CHAIN_INDEX))
+    ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "linear_attention", "glu", "layer_norm",
+     "qk_norm"))}
+(MODULATE, GATED_RESIDUAL, CROSS_RESIDUAL, ROPE, FLOAT_CARRY, LINEAR_ATTENTION, GLU, LAYER_NORM,
+ QK_NORM) = range(len(CHAIN_INDEX))
 _CHAIN_NAMES = tuple(CHAIN_INDEX)
 
 

@@ -2,7 +2,7 @@
 
 Spec::
 
-    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"],
+    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry", "qk_norm"],
                           "min_tokens": 0, "blocks": null}}
     {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]}}
     {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention", "glu"]}}
@@ -29,10 +29,12 @@ SANA_NAME: Final = "sana_block_fusion"
 #: eager ``hidden_states.float()`` casts do not run), ``layer_norm`` (opt-in: ``norm1``/``norm3`` and their
 #: modulation as one kernel, ``norm2`` and its cast as one kernel, reproducing PyTorch's CUDA LayerNorm bitwise --
 #: :mod:`worldfoundry.core.fusion.layer_norm`; it reads the stream itself, so ``float_carry`` has nothing to do
-#: beside it and is not used).
-WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "layer_norm")
+#: beside it and is not used), ``qk_norm`` (``norm_q``/``norm_k``, the across-heads RMSNorms of self-attention, inside
+#: the rotary launch, reproducing PyTorch's CUDA RMSNorm bitwise -- :mod:`worldfoundry.core.fusion.qk_norm_rope`;
+#: needs ``rope``; on the CPU, whose RMSNorm is another algorithm, it falls back visibly).
+WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "layer_norm", "qk_norm")
 #: The chains a spec without ``chains`` fuses (``layer_norm`` is opt-in: see ``docs/block_fusion.md``).
-WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry")
+WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "qk_norm")
 #: SANA-Video chains: ``modulate``, ``gated_residual``, ``cross_residual`` as for Wan (rounded per operation, as
 #: eager's bfloat16 arithmetic), ``linear_attention`` (ReLU + rotary + float casts of Q/K/V, and the final
 #: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor), ``glu`` (the
@@ -60,6 +62,8 @@ class WanOptions(PluginOptions):
                                                                        unique=True)))
 
     def validate(self) -> None:
+        if "qk_norm" in self.chains and "rope" not in self.chains:
+            raise OptionValueError("chains", "qk_norm needs rope (the norms run inside the rotary launch)")
         if "float_carry" in self.chains and not {"gated_residual", "cross_residual"} & set(self.chains):
             raise OptionValueError("chains", "float_carry needs gated_residual or cross_residual (the kernels that "
                                              "write the float32 stream)")

@@ -13,6 +13,7 @@ chain                  eager                                                    
 ``cross_residual``     ``x + attn2(...)``                                          1 kernel
 ``float_carry``        ``x.float()`` before norm2, norm3 and the next norm1         written by the kernel above
 ``rope``               eight kernels for each of Q and K                           1 kernel for both
+``qk_norm``            ``norm_q``/``norm_k`` (RMSNorm) before the rotary            inside the ``rope`` kernel
 ``layer_norm``         ``norm1``/``norm3`` + ``modulate``; ``norm2`` + its cast    1 kernel each (opt-in)
 =====================  ==========================================================  ===========================
 
@@ -39,15 +40,18 @@ from worldfoundry.core.acceleration.context import current_request_id
 from worldfoundry.core.fusion.adaln import gated_residual, modulate, residual_add
 from worldfoundry.core.fusion.launch import precompile
 from worldfoundry.core.fusion.layer_norm import layer_norm, layer_norm_modulate
+from worldfoundry.core.fusion.qk_norm_rope import rms_norm_rope_qk
 from worldfoundry.core.fusion.rope import reference_rope, rope_qk
 from worldfoundry.core.fusion.triton_support import unavailable_reason
 from worldfoundry_block_fusion.direct_calls import (
+    attention,
+    cross_attention,
     feed_forward,
     fp32_layer_norm,
-    linear,
-    native_sdpa,
+    output_projection,
     qkv_projections,
-    skips_dropout,
+    rms_norm,
+    unflatten_view,
 )
 from worldfoundry_block_fusion.eligibility import (
     REASON_GRAD,
@@ -62,12 +66,14 @@ from worldfoundry_block_fusion.eligibility import (
     table_reason,
     temb_reason,
 )
+from worldfoundry_block_fusion.qk_norm import QKNormCheck
 from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
     FLOAT_CARRY,
     GATED_RESIDUAL,
     LAYER_NORM,
     MODULATE,
+    QK_NORM,
     ROPE,
     BlockCounts,
     FusionCounters,
@@ -87,6 +93,7 @@ class WanBlockRuntime:
         self.gate = "gated_residual" in chains
         self.cross = "cross_residual" in chains
         self.rope = "rope" in chains
+        self.qk_norm = "qk_norm" in chains and self.rope
         self.norms = "layer_norm" in chains
         # the fused LayerNorms read the stream itself: no float32 copy of it is needed
         self.carry_enabled = "float_carry" in chains and not self.norms
@@ -182,14 +189,27 @@ class WanBlockRuntime:
                     residual_add(like, like, with_float=carry)
                 if self.norms:
                     self._precompile_norms(block, like, table, temb)
-                heads = getattr(getattr(block, "attn1", None), "heads", None)
-                if self.rope and type(rotary_emb) is tuple and len(rotary_emb) == 2 and heads:
-                    q = torch.empty((*x.shape[:2], heads, x.shape[2] // heads), dtype=x.dtype, device=x.device)
-                    if rotary_reason(q, rotary_emb) is None:
-                        rope_qk(q, q, *rotary_emb)
+                self._precompile_rotary(block, x, rotary_emb)
         except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
             logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
                            type(exc).__name__, exc)
+
+    def _precompile_rotary(self, block: nn.Module, x: torch.Tensor, rotary_emb: Any) -> None:
+        """Record the rotary kernel's variant: with ``qk_norm`` the fused norms + rotary (when the self-attention's
+        norms qualify), otherwise the rotary alone (see :meth:`precompile`)."""
+        attn = getattr(block, "attn1", None)
+        heads = getattr(attn, "heads", None)
+        if not (self.rope and type(rotary_emb) is tuple and len(rotary_emb) == 2 and heads):
+            return
+        if self.qk_norm:
+            q = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if QKNormCheck().reason(attn, q, q, rotary_emb) is None:
+                rms_norm_rope_qk(q, q, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, attn.norm_k.eps,
+                                 heads, *rotary_emb)
+                return
+        q = torch.empty((*x.shape[:2], heads, x.shape[2] // heads), dtype=x.dtype, device=x.device)
+        if rotary_reason(q, rotary_emb) is None:
+            rope_qk(q, q, *rotary_emb)
 
     @staticmethod
     def _precompile_norms(block: nn.Module, like: torch.Tensor, table: torch.Tensor, temb: torch.Tensor) -> None:
@@ -227,7 +247,7 @@ class WanBlockRuntime:
         else:
             xf = x.float() if xf is None else xf
             h = fp32_layer_norm(block.norm2, xf, global_hooks=hooks).type_as(x)
-        attn = block.attn2(h, encoder_hidden_states, None, None)
+        attn = cross_attention(block.attn2, h, encoder_hidden_states, global_hooks=hooks)
         if self.cross and attn.dtype == x.dtype and attn.shape == x.shape:
             x, xf = residual_add(x, attn, with_float=carry)
             counts[CROSS_RESIDUAL] += 1
@@ -326,10 +346,6 @@ class WanBlockRuntime:
         return WanFusedSelfAttnProcessor(original, self, path)
 
 
-#: ``Tensor.unflatten`` without its Python wrapper (named-tensor handling, unused here): the same view
-_unflatten = torch._C.TensorBase.unflatten
-
-
 def _eager_modulation(table: torch.Tensor, temb: torch.Tensor) -> list[torch.Tensor]:
     """The six modulation tensors exactly as eager computes them."""
     if temb.ndim == 4:
@@ -356,6 +372,7 @@ class WanFusedSelfAttnProcessor:
         self.runtime = runtime
         self.path = path
         self.counts = runtime._counts[path]
+        self.qk_check = QKNormCheck()
         self._attention_backend = getattr(original, "_attention_backend", None)
         self._parallel_config = getattr(original, "_parallel_config", None)
 
@@ -368,32 +385,51 @@ class WanFusedSelfAttnProcessor:
         global_hooks = not no_global_hooks()
         query, key, value = qkv_projections(transformer_wan._get_qkv_projections, attn, hidden_states,
                                             global_hooks=global_hooks)
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
         heads = attn.heads
-        query = _unflatten(query, 2, (heads, -1))
-        key = _unflatten(key, 2, (heads, -1))
-        value = _unflatten(value, 2, (heads, -1))
-        if rotary_emb is not None:
-            query, key = self._rotary(query, key, rotary_emb)
+        fused = (self._qk_norm_rope(attn, query, key, rotary_emb)
+                 if rotary_emb is not None and self.runtime.qk_norm else None)
+        if fused is not None:
+            query, key = fused
+        else:
+            query = unflatten_view(rms_norm(attn.norm_q, query, global_hooks=global_hooks), 2, (heads, -1))
+            key = unflatten_view(rms_norm(attn.norm_k, key, global_hooks=global_hooks), 2, (heads, -1))
+            if rotary_emb is not None:
+                query, key = self._rotary(query, key, rotary_emb)
+        value = unflatten_view(value, 2, (heads, -1))
         dispatch = transformer_wan.dispatch_attention_fn
-        hidden_states = None if attention_mask is not None else native_sdpa(
-            dispatch, query, key, value, self._attention_backend, self._parallel_config)
-        if hidden_states is None:
+        if attention_mask is None:
+            hidden_states = attention(dispatch, query, key, value, self._attention_backend, self._parallel_config)
+        else:
             hidden_states = dispatch(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
                                      backend=self._attention_backend, parallel_config=self._parallel_config)
         hidden_states = hidden_states.flatten(2, 3)
         if hidden_states.dtype != query.dtype:  # ``type_as`` returns the tensor itself when the dtypes agree
             hidden_states = hidden_states.to(query.dtype)
-        to_out = attn.to_out
-        if type(to_out) is nn.ModuleList:  # its items without ModuleList's index arithmetic
-            out_proj, dropout = to_out._modules["0"], to_out._modules["1"]
+        return output_projection(attn, hidden_states, global_hooks=global_hooks)
+
+    def _qk_norm_rope(self, attn: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``norm_q``/``norm_k`` and the rotary embedding as one launch (the ``qk_norm`` chain), or ``None`` after
+        counting the fallback's reason (the caller then runs them as eager does)."""
+        runtime = self.runtime
+        if torch.is_grad_enabled():
+            reason = REASON_GRAD
+        elif query.dim() == 3 and query.shape[1] < runtime.min_tokens:
+            reason = REASON_TOKENS
         else:
-            out_proj, dropout = to_out[0], to_out[1]
-        hidden_states = linear(out_proj, hidden_states, global_hooks=global_hooks)
-        if not skips_dropout(dropout, global_hooks=global_hooks):
-            hidden_states = dropout(hidden_states)
-        return hidden_states
+            reason = unavailable_reason(query) or self.qk_check.reason(attn, query, key, rotary_emb)
+        if reason is not None:
+            runtime.counters.fallback(self.path, reason if reason.startswith("qk_norm") else f"qk_norm: {reason}")
+            return None
+        counts = self.counts
+        rid = current_request_id()
+        if rid != counts.rid:
+            runtime.counters.switch(counts, rid)
+        counts.counts[QK_NORM] += 1
+        counts.counts[ROPE] += 1
+        norm_q, norm_k = attn.norm_q, attn.norm_k
+        return rms_norm_rope_qk(query, key, norm_q.weight, norm_k.weight, norm_q.eps, norm_k.eps, attn.heads,
+                                rotary_emb[0], rotary_emb[1])
 
     def _rotary(self, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         runtime = self.runtime
