@@ -13,7 +13,7 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
 * kernels per forward (torch.profiler, CUDA kernels of one forward) for eager and block fusion;
 * interleaved paired rounds (>= 5, rotating order, warm-up excluded), medians and paired ratios;
 * adjacent pairs (``--pairs``, default 24): single forwards of eager and of each of ``block_fusion``,
-  ``block_fusion+layer_norm``, ``cuda_graph``, ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA
+  ``block_fusion:float_carry``, ``cuda_graph``, ``block_fusion+cuda_graph`` and ``compile``, back to back in ABBA
   order, median per-pair ratio and its bootstrap 95 % CI -- the ratio on one host speed, where the rounds above
   compare samples seconds apart (this machine's host speed changes in phases of seconds:
   ``benchmarks/profiling/host_noise_probe.py``);
@@ -24,8 +24,8 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
   ``bare_graph`` (one plain ``torch.cuda.CUDAGraph`` of the eager forward: the replay's ceiling) and, unless
   ``--no-fa3``, FlashAttention-3 on self-attention (``attention_policy`` + ``attention_fa3``, ``min_tokens`` 2048)
   alone and under ``block_fusion`` / ``block_fusion+cuda_graph`` (rel L2 vs eager; the stacks bitwise vs ``fa3``);
-* Wan: ``block_fusion+layer_norm`` and ``block_fusion+layer_norm+cuda_graph``, the opt-in ``layer_norm`` chain (the
-  LayerNorms inside the fused kernels, PyTorch's CUDA algorithm reproduced; bitwise vs eager);
+* Wan: ``block_fusion:float_carry`` and ``block_fusion:float_carry+cuda_graph``, the chains without ``layer_norm``
+  (torch's LayerNorms fed the float32 stream the residual kernels write; bitwise vs eager);
 * SANA-Video: each chain alone (``sana:<chain>``) and the CUDA kernels taking the most time in eager and with
   block fusion (``top_kernels``), to show which chain costs or gains what.
 
@@ -80,8 +80,9 @@ SANA_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, nu
 GOALS = {"W17": 1.35, "W81": 1.15, "SANA480p": 1.15}
 STACK_GOALS = {"W17": 1.8}
 #: every chain of ``sana_block_fusion`` (``glu``: the feed-forward's gated SiLU), each also measured alone
-#: ``wan_block_fusion`` with its opt-in ``layer_norm`` chain (the default chains but ``float_carry``, plus it)
-WAN_LAYER_NORM_CHAINS = ("modulate", "gated_residual", "cross_residual", "rope", "layer_norm")
+#: ``wan_block_fusion`` without its ``layer_norm`` chain: torch's LayerNorms, fed the float32 stream the residual
+#: kernels write (``float_carry``)
+WAN_CARRY_CHAINS = ("modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "float_carry")
 SANA_CHAINS = ("modulate", "gated_residual", "cross_residual", "linear_attention", "glu")
 #: characters of a kernel name kept in the top-kernels tables (enough for the template arguments)
 KERNEL_NAME_CHARS = 140
@@ -296,10 +297,10 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
         ("block_fusion", lambda: fusion_variant(make_model, name, inputs, reference, device, result))]
     stacks: list[tuple[str, dict[str, Any]]] = [("cuda_graph", {"cuda_graph": True}),
                                                 ("block_fusion+cuda_graph", {name: {}, "cuda_graph": True})]
-    if family == "wan":  # the opt-in chain: the LayerNorms inside the kernels (PyTorch's CUDA algorithm)
-        with_norms = {name: {"chains": list(WAN_LAYER_NORM_CHAINS)}}
-        stacks += [("block_fusion+layer_norm", with_norms),
-                   ("block_fusion+layer_norm+cuda_graph", {**with_norms, "cuda_graph": True})]
+    if family == "wan":  # without the layer_norm chain: torch's LayerNorms and the float32 carry
+        carry = {name: {"chains": list(WAN_CARRY_CHAINS)}}
+        stacks += [("block_fusion:float_carry", carry),
+                   ("block_fusion:float_carry+cuda_graph", {**carry, "cuda_graph": True})]
     if family == "wan" and device.type == "cuda":
         variants.append(("bare_graph", lambda: bare_graph_variant(eager, reference, device, result)))
         if args.fa3:  # FlashAttention-3 on self-attention (not bitwise: SDPA's accuracy class), alone and stacked
@@ -374,7 +375,7 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
 
 
 #: The variants timed against eager in adjacent pairs (see the module docs).
-PAIRED_VARIANTS = ("block_fusion", "block_fusion+layer_norm", "cuda_graph", "block_fusion+cuda_graph", "compile")
+PAIRED_VARIANTS = ("block_fusion", "block_fusion:float_carry", "cuda_graph", "block_fusion+cuda_graph", "compile")
 
 
 def pair_ratios(calls: dict[str, Callable[[], Any]], device: torch.device, pairs: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ host time goes.
 
 The fused W17 forward's kernels take about 25 ms of device time, yet the forward takes 33-34 ms on a fast host:
 the GPU waits for the host. For each variant (eager; ``wan_block_fusion`` with its default chains; with the
-opt-in ``layer_norm`` chain) this measures, per forward:
+``layer_norm`` chain replaced by torch's LayerNorms and the float32 carry) this measures, per forward:
 
 * ``host_ms``: the host time of the Python forward while the GPU is kept busy beforehand by a ``torch.cuda._sleep``
   long enough that no launch waits for the GPU (pure host cost; ``queue_full`` says when the launch queue filled
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-from block_fusion import WAN_LAYER_NORM_CHAINS, build, caller, inputs_for, registry  # noqa: E402
+from block_fusion import WAN_CARRY_CHAINS, build, caller, inputs_for, registry  # noqa: E402
 
 from worldfoundry.bench.microbench import SMOKE_WORKLOADS, WORKLOADS, provenance  # noqa: E402
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> None:
     inputs = inputs_for(model, "wan", shapes[label], device)
     data: dict[str, Any] = {"provenance": provenance(device), "workload": label, "variants": {}}
     data["variants"]["eager"] = measure("eager", caller(model, inputs), device, args.forwards, args.top)
-    for name, spec in (("block_fusion", {}), ("block_fusion+layer_norm", {"chains": list(WAN_LAYER_NORM_CHAINS)})):
+    for name, spec in (("block_fusion", {}), ("block_fusion:float_carry", {"chains": list(WAN_CARRY_CHAINS)})):
         session = install_diffusion_accelerations(model, {"wan_block_fusion": spec}, registry=registry())
         try:
             data["variants"][name] = measure(name, caller(model, inputs, request_id=name), device, args.forwards,

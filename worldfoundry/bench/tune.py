@@ -52,7 +52,7 @@ DEFAULT_SPACE: dict[str, Any] = {
     "optimized_mha": {"choices": [{"self": {"fusion": "qkv"}, "cross": {"fusion": "kv"}},
                                   {"self": {"fusion": "qkv"}}]},
     "wan_block_fusion": {"cuda_only": True, "choices": [
-        {}, {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]}]},
+        {}, {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "float_carry"]}]},
     "cuda_graph": {"cuda_only": True, "choices": [{}]},
 }
 DEFAULT_WORKLOAD: dict[str, Any] = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9,

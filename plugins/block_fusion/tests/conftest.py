@@ -142,7 +142,30 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", device)
     if device.type == "cpu":
         cuda_rms_norm_on_cpu(monkeypatch)
+        cuda_layer_norm_on_cpu(monkeypatch)
     return device
+
+
+#: PyTorch's own ``F.layer_norm`` (the ``kernels`` fixture replaces it on the CPU; see :func:`cuda_layer_norm_on_cpu`)
+TORCH_LAYER_NORM = torch.nn.functional.layer_norm
+
+
+def cuda_layer_norm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager's LayerNorm computed with PyTorch's CUDA algorithm (the step-by-step reference) and the ``layer_norm``
+    chain allowed on the CPU, so that the fused block and eager compute the same algorithm here; the GPU tests
+    compare against PyTorch's own CUDA LayerNorm, and ``test_wan.py`` checks the real CPU fallback without this."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from worldfoundry.core.fusion.layer_norm_reference import reference_layer_norm
+    from worldfoundry_block_fusion import eligibility
+
+    def cuda_algorithm(x, shape, weight=None, bias=None, eps=1e-5):  # noqa: ANN001, ANN202
+        if tuple(shape) != (x.shape[-1],) or x.shape[-1] % 4 or not x.is_contiguous():
+            return TORCH_LAYER_NORM(x, shape, weight, bias, eps)
+        return reference_layer_norm(x, eps, weight, bias, out_dtype=x.dtype)
+
+    monkeypatch.setattr(F, "layer_norm", cuda_algorithm)
+    monkeypatch.setattr(eligibility, "NORM_DEVICES", ("cuda", "cpu"))
 
 
 #: PyTorch's own ``F.rms_norm`` (the ``kernels`` fixture replaces it on the CPU; see :func:`cuda_rms_norm_on_cpu`)

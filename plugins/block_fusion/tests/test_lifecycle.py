@@ -28,7 +28,7 @@ from worldfoundry_block_fusion.options import (
 
 def test_options_defaults_and_errors() -> None:
     assert WanOptions.from_mapping({}).chains == WAN_DEFAULT_CHAINS
-    assert set(WAN_CHAINS) - set(WAN_DEFAULT_CHAINS) == {"layer_norm"}  # opt-in
+    assert set(WAN_CHAINS) - set(WAN_DEFAULT_CHAINS) == {"float_carry"}  # nothing to carry beside layer_norm
     assert SanaOptions.from_mapping(None).chains == SANA_CHAINS
     assert WanOptions.from_mapping({"blocks": [2, 0], "min_tokens": 64}).to_json() == {
         "chains": list(WAN_DEFAULT_CHAINS), "min_tokens": 64, "blocks": [2, 0]}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("kernels")
 
 @pytest.fixture(autouse=True)
 def _helpers(kit) -> None:  # noqa: ANN001
-    globals().update(build_wan=kit.build_wan, wan_inputs=kit.wan_inputs, run=kit.run, record_of=kit.record_of,
+    globals().update(kit=kit, build_wan=kit.build_wan, wan_inputs=kit.wan_inputs, run=kit.run, record_of=kit.record_of,
                      structure=kit.structure, assert_same_structure=kit.assert_same_structure,
                      make_registry=kit.make_registry)
 ALL = {"modulate": 4, "gated_residual": 4, "cross_residual": 2, "rope": 2, "qk_norm": 2}
@@ -28,11 +28,15 @@ def install(model, options=None, **kwargs):
                                            **kwargs)
 
 
+#: the chains without ``layer_norm``, where ``float_carry`` hands the float32 stream to the torch LayerNorms
+CARRY_CHAINS = ["modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "float_carry"]
+
+
 def test_bf16_forward_is_bitwise_and_every_chain_is_counted_per_block() -> None:
     model = build_wan()
     inputs = wan_inputs()
     dense = run(model, inputs)
-    session = install(model)
+    session = install(model, {"chains": CARRY_CHAINS})
     out = run(model, inputs, "r1")
     assert torch.equal(out, dense)
     record = record_of(session, "r1")
@@ -141,7 +145,7 @@ def test_a_hook_added_after_install_still_runs_and_stays_bitwise() -> None:
     """The float32 carry is not used across a hook that could change the stream between blocks."""
     model = build_wan()
     inputs = wan_inputs()
-    session = install(model)
+    session = install(model, {"chains": CARRY_CHAINS})
     seen = []
     handle = model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.shape) or out * 2)
     try:
@@ -215,21 +219,8 @@ LN_CHAINS = ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm
 
 
 @pytest.fixture
-def cuda_layer_norm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager's LayerNorm computed with PyTorch's CUDA algorithm (the step-by-step reference) and the chain allowed on
-    the CPU, so that the fused block and eager compute the same algorithm here; the GPU test compares against
-    PyTorch's own CUDA LayerNorm."""
-    import torch.nn.functional as F
-
-    from worldfoundry.core.fusion.layer_norm_reference import reference_layer_norm
-    from worldfoundry_block_fusion import eligibility
-
-    def cuda_algorithm(x, shape, weight=None, bias=None, eps=1e-5):  # noqa: ANN001, ANN202
-        assert tuple(shape) == (x.shape[-1],)
-        return reference_layer_norm(x, eps, weight, bias, out_dtype=x.dtype)
-
-    monkeypatch.setattr(F, "layer_norm", cuda_algorithm)
-    monkeypatch.setattr(eligibility, "NORM_DEVICES", ("cuda", "cpu"))
+def cuda_layer_norm_on_cpu() -> None:
+    """The ``kernels`` fixture already computes eager's LayerNorm with PyTorch's CUDA algorithm on the CPU."""
 
 
 def test_layer_norm_chain_is_bitwise_and_counted(cuda_layer_norm_on_cpu: None) -> None:
@@ -258,12 +249,16 @@ def test_layer_norm_chain_without_modulate_fuses_norm2_only(cuda_layer_norm_on_c
     session.uninstall()
 
 
-def test_layer_norm_chain_falls_back_on_the_cpu(kernels: torch.device) -> None:
+def test_layer_norm_chain_falls_back_on_the_cpu(kernels: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     from worldfoundry_block_fusion import eligibility
 
     if kernels.type != "cpu":
         pytest.skip("CUDA tensors take the fused LayerNorm here; the CPU refusal needs the kernels on CPU tensors "
                     "(Triton's interpreter)")
+    import torch.nn.functional as F  # noqa: N812
+
+    monkeypatch.setattr(F, "layer_norm", kit.TORCH_LAYER_NORM)  # PyTorch's own CPU LayerNorm, as a user runs it
+    monkeypatch.setattr(eligibility, "NORM_DEVICES", ("cuda",))
     model = build_wan(num_layers=1)
     inputs = wan_inputs()
     dense = run(model, inputs)

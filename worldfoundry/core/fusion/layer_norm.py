@@ -114,7 +114,7 @@ if TRITON_AVAILABLE:
         n = tl.zeros((R, 128), tl.float32)
         n_vec = N // 4
         base = rows[:, None] * row_stride
-        for i in tl.static_range(NV):
+        for i in tl.range(0, NV, loop_unroll_factor=1):  # a loop, not unrolled: the same order, less to compile
             v_idx = i * 128 + t
             live = live_rows[:, None] & (v_idx < n_vec)[None, :]
             for ii in tl.static_range(4):
@@ -126,7 +126,7 @@ if TRITON_AVAILABLE:
                     new_n = n + 1.0
                     # every live lane holds the same count at this step (i * 4 + ii + 1): one IEEE reciprocal
                     recip = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32),
-                                           tl.full((1, 1), i * 4 + ii + 1, tl.float32))
+                                           tl.zeros((1, 1), tl.float32) + (i * 4 + ii + 1))
                     new_mean = tl.fma(delta, recip, mean)
                     new_m2 = tl.fma(delta, val - new_mean, m2)
                     mean = tl.where(live, new_mean, mean)
@@ -166,7 +166,7 @@ if TRITON_AVAILABLE:
         mean, rstd = _row_stats(x_ptr, rows, live_rows, N, N, eps, R, NV, MEAN_ORDER, APPROX_RSQRT, MODE == 2)
         bs = rows // S
         ss = rows - bs * S
-        for chunk in tl.static_range(N_CHUNKS):
+        for chunk in tl.range(0, N_CHUNKS, loop_unroll_factor=1):  # chunks are independent: a loop, not unrolled
             cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
             mask = live_rows[:, None] & (cols < N)[None, :]
             offs = rows[:, None] * N + cols[None, :]

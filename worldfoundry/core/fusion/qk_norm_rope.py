@@ -83,7 +83,7 @@ if TRITON_AVAILABLE:
         ss = rows - bs * S
         fbase = (bs * f_b + ss * f_s)[:, None]
         HALF: tl.constexpr = BLOCK_C // 2
-        for chunk in tl.static_range(N_CHUNKS):
+        for chunk in tl.range(0, N_CHUNKS, loop_unroll_factor=1):  # chunks are independent: a loop, not unrolled
             cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
             even = chunk * BLOCK_C + 2 * tl.arange(0, HALF)
             if INDEX_64:

@@ -2,9 +2,9 @@
 
 Spec::
 
-    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry", "qk_norm"],
+    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "layer_norm"],
                           "min_tokens": 0, "blocks": null}}
-    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "layer_norm"]}}
+    {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"]}}
     {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention", "glu"]}}
 
 Example:
@@ -26,15 +26,16 @@ SANA_NAME: Final = "sana_block_fusion"
 #: split folded in), ``gated_residual`` (``(x.float() + y * gate).type_as(x)`` after self-attention and FFN),
 #: ``cross_residual`` (``x + cross_attention(x)``), ``rope`` (Q/K rotary after the across-heads RMSNorm, one launch
 #: for both), ``float_carry`` (the residual kernels also write the float32 stream the next LayerNorm reads, so the
-#: eager ``hidden_states.float()`` casts do not run), ``layer_norm`` (opt-in: ``norm1``/``norm3`` and their
+#: eager ``hidden_states.float()`` casts do not run), ``layer_norm`` (``norm1``/``norm3`` and their
 #: modulation as one kernel, ``norm2`` and its cast as one kernel, reproducing PyTorch's CUDA LayerNorm bitwise --
 #: :mod:`worldfoundry.core.fusion.layer_norm`; it reads the stream itself, so ``float_carry`` has nothing to do
 #: beside it and is not used), ``qk_norm`` (``norm_q``/``norm_k``, the across-heads RMSNorms of self-attention, inside
 #: the rotary launch, reproducing PyTorch's CUDA RMSNorm bitwise -- :mod:`worldfoundry.core.fusion.qk_norm_rope`;
 #: needs ``rope``; on the CPU, whose RMSNorm is another algorithm, it falls back visibly).
 WAN_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "layer_norm", "qk_norm")
-#: The chains a spec without ``chains`` fuses (``layer_norm`` is opt-in: see ``docs/block_fusion.md``).
-WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "float_carry", "qk_norm")
+#: The chains a spec without ``chains`` fuses: all but ``float_carry``, which has nothing to do beside ``layer_norm``
+#: (it is the float32 stream's fallback for a spec without ``layer_norm``; see ``docs/block_fusion.md``).
+WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "layer_norm")
 #: SANA-Video chains: ``modulate``, ``gated_residual``, ``cross_residual`` as for Wan (rounded per operation, as
 #: eager's bfloat16 arithmetic), ``linear_attention`` (ReLU + rotary + float casts of Q/K/V, and the final
 #: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor), ``glu`` (the
@@ -47,8 +48,8 @@ class WanOptions(PluginOptions):
     """Options of ``wan_block_fusion``.
 
     Attributes:
-        chains: which chains run fused (default: all but the opt-in ``layer_norm``); the others run as eager's
-            torch operations.
+        chains: which chains run fused (default: all but ``float_carry``, see :data:`WAN_DEFAULT_CHAINS`); the others
+            run as eager's torch operations.
         min_tokens: blocks called with fewer tokens per sample run the original forward (counted as fallbacks).
         blocks: indices of the blocks to fuse (default: every block).
     """

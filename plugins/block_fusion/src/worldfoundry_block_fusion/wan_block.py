@@ -14,7 +14,7 @@ chain                  eager                                                    
 ``float_carry``        ``x.float()`` before norm2, norm3 and the next norm1         written by the kernel above
 ``rope``               eight kernels for each of Q and K                           1 kernel for both
 ``qk_norm``            ``norm_q``/``norm_k`` (RMSNorm) before the rotary            inside the ``rope`` kernel
-``layer_norm``         ``norm1``/``norm3`` + ``modulate``; ``norm2`` + its cast    1 kernel each (opt-in)
+``layer_norm``         ``norm1``/``norm3`` + ``modulate``; ``norm2`` + its cast    1 kernel each
 =====================  ==========================================================  ===========================
 
 With ``layer_norm`` the LayerNorms themselves run in the fused kernels, reproducing PyTorch's CUDA LayerNorm
