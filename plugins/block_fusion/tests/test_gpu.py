@@ -71,7 +71,15 @@ def _wan_inputs(frames: int, height: int, width: int) -> dict[str, Any]:
 
 
 def test_w17_whole_model_bitwise() -> None:
+    """The default chains: the LayerNorms and the Q/K RMSNorms inside the kernels."""
     record = _check(_wan(30), "wan_block_fusion", _wan_inputs(5, 40, 72), _registry(), 30)
+    assert record["fallbacks"] == {} and record["counters"]["rope"] == 30 and record["counters"]["qk_norm"] == 30
+    assert record["counters"]["layer_norm"] == 3 * 30 and not record["counters"].get("float_carry")
+
+
+def test_w17_whole_model_bitwise_with_torch_layer_norms_and_the_float_carry() -> None:
+    chains = ["modulate", "gated_residual", "cross_residual", "rope", "qk_norm", "float_carry"]
+    record = _check(_wan(30), "wan_block_fusion", _wan_inputs(5, 40, 72), _registry(), 30, {"chains": chains})
     assert record["fallbacks"] == {} and record["counters"]["rope"] == 30
     assert record["counters"]["float_carry"] == 2 * 30 + 29
 
