@@ -93,9 +93,13 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _halve(mean, m2, n, HALF: tl.constexpr, ROWS: tl.constexpr, MEAN_ORDER: tl.constexpr, RMS: tl.constexpr):
-        """One shuffle-down step on ``[ROWS, 2 * HALF]`` lane states: lane ``l < HALF`` merges lane ``l + HALF``."""
-        own_m, oth_m = tl.split(tl.permute(tl.reshape(mean, (ROWS, 2, HALF)), (0, 2, 1)))
+        """One shuffle-down step on ``[ROWS, 2 * HALF]`` lane states: lane ``l < HALF`` merges lane ``l + HALF``
+        (RMSNorm: only the sums of squares; mean and count stay zero and are not shuffled)."""
         own_v, oth_v = tl.split(tl.permute(tl.reshape(m2, (ROWS, 2, HALF)), (0, 2, 1)))
+        if RMS:
+            zero = tl.zeros((ROWS, HALF), tl.float32)
+            return zero, own_v + oth_v, zero
+        own_m, oth_m = tl.split(tl.permute(tl.reshape(mean, (ROWS, 2, HALF)), (0, 2, 1)))
         own_n, oth_n = tl.split(tl.permute(tl.reshape(n, (ROWS, 2, HALF)), (0, 2, 1)))
         return _combine(own_m, own_v, own_n, oth_m, oth_v, oth_n, MEAN_ORDER, RMS)
 

@@ -64,7 +64,7 @@ QK_DTYPES: Final = (torch.bfloat16, torch.float32)
 FREQ_DTYPES: Final = (torch.float64, torch.float32)
 #: Token rows per program, channels per chunk of the output pass (at most), warps per program.
 ROWS_PER_PROGRAM: Final = 8
-BLOCK_C: Final = 512
+BLOCK_C: Final = 128  # 512 took 3x as long to compile (float64 rotary on [8, 512] tiles): a first call waits for it
 NUM_WARPS: Final = 8
 
 if TRITON_AVAILABLE:
