@@ -58,6 +58,9 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
                    help="included Linears decomposed without smoothing (e.g. 'blocks.*.ffn.2': with FP8 "
                         "activations their quantizer then skips the per-channel 1/lambda)")
     p.add_argument("--svd", choices=["full", "randomized"], default="full")
+    p.add_argument("--rounding", choices=["nearest", "gptq"], default="nearest",
+                   help="INT4 residual rounded to nearest, or with GPTQ's error compensation under the calibration "
+                        "inputs' second moments (K^2 floats per Linear collected; same artifact format)")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
     p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
     p.add_argument("--frames", type=int, default=17)
@@ -96,12 +99,12 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
             pipe, include=args.include, prompts=args.prompts or CALIBRATION_PROMPTS, seeds=args.seeds,
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             references=args.save_references, method=args.method, rank=args.rank, group_size=args.group_size,
-            alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed)
+            alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed, rounding=args.rounding)
     manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
     manifest["calibration"]["random_weights"] = bool(args.random_weights)
     out = save_svdquant_artifact(manifest, tensors, args.out)
     errors = {p: e["diagnostics"]["weight_rel_l2"] for p, e in manifest["linears"].items()}
-    return {"artifact": str(out), "method": manifest["method"], "rank": manifest["rank"],
+    return {"artifact": str(out), "method": manifest["method"], "rounding": args.rounding, "rank": manifest["rank"],
             "group_size": manifest["group_size"], "linears": len(errors),
             "weight_rel_l2_max": max(errors.values()), "weight_rel_l2": errors,
             "references": args.save_references}

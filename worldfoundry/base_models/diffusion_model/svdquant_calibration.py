@@ -44,6 +44,8 @@ CALIBRATION_NAME: Final = "svdquant-calibration"
 CALIBRATION_PROMPTS: Final = ("a blue circle bouncing", "a green bar moving up")
 CALIBRATION_SEEDS: Final = (11, 12)
 EVALUATION_SEEDS: Final = (42, 43)
+#: How the INT4 residual is rounded: to nearest, or with GPTQ's error compensation under the inputs' moments.
+ROUNDINGS: Final = ("nearest", "gptq")
 
 
 def select_for_calibration(model: nn.Module, include: Sequence[str]) -> list[SelectedLinear]:
@@ -68,11 +70,15 @@ class InputAbsmaxObserver:
 
     Attributes:
         absmax: ``{path: float32 [K]}`` on each Linear's device.
+        moments: with ``second_moments``, ``{path: float32 [K, K]}``, the inputs' ``X^T X`` summed over rows (for
+            error-compensating rounding; ``K^2`` floats per Linear).
         calls / rows: per path, forward calls and input rows seen.
     """
 
-    def __init__(self, selected: Sequence[SelectedLinear]) -> None:
+    def __init__(self, selected: Sequence[SelectedLinear], *, second_moments: bool = False) -> None:
         self.selected = list(selected)
+        self.second_moments = second_moments
+        self.moments: dict[str, torch.Tensor] = {}
         self.absmax: dict[str, torch.Tensor] = {}
         self.calls: dict[str, int] = {s.path: 0 for s in self.selected}
         self.rows: dict[str, int] = {s.path: 0 for s in self.selected}
@@ -81,10 +87,16 @@ class InputAbsmaxObserver:
     def _hook(self, path: str):  # noqa: ANN202 - a torch forward pre-hook
         def observe(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].detach()
-            amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            x2d = x.reshape(-1, x.shape[-1])
+            amax = x2d.abs().amax(dim=0).float()
             with torch.inference_mode(False):
                 current = self.absmax.get(path)
                 self.absmax[path] = amax.clone() if current is None else torch.maximum(current, amax)
+                if self.second_moments:
+                    xf = x2d.float()
+                    gram = xf.t() @ xf
+                    previous = self.moments.get(path)
+                    self.moments[path] = gram if previous is None else previous + gram
             self.calls[path] += 1
             self.rows[path] += x.numel() // x.shape[-1]
 
@@ -113,7 +125,7 @@ def build_svdquant_artifact(
     model: nn.Module, selected: Sequence[SelectedLinear], absmax: Mapping[str, torch.Tensor] | None, *,
     method: str = "svdquant", rank: int = 32, group_size: int = 64, alpha: float = 0.5, svd: str = "full",
     include: Sequence[str] = (), calibration: Mapping[str, Any] | None = None,
-    observer: InputAbsmaxObserver | None = None, unsmoothed: Sequence[str] = (),
+    observer: InputAbsmaxObserver | None = None, unsmoothed: Sequence[str] = (), rounding: str = "nearest",
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Decompose every selected Linear and build the manifest and tensors of the artifact.
 
@@ -126,9 +138,10 @@ def build_svdquant_artifact(
         include: the calibration's patterns (recorded).
         calibration: provenance recorded under ``calibration``.
         observer: the observer whose call/row counts are recorded per Linear.
-        unsmoothed: patterns (as ``include``) of selected Linears decomposed without smoothing: their inputs are
-            quantized as they come (FP8 activations need smoothing less than INT8 ones), and at run time their
-            activation quantizer skips the per-channel ``1/λ``.
+        unsmoothed: patterns (as ``include``) of selected Linears decomposed without smoothing (FP8 activations
+            need smoothing less than INT8 ones; at run time their quantizer skips the per-channel ``1/λ``).
+        rounding: ``"nearest"`` or ``"gptq"`` (error-compensating rounding of the INT4 residual under the inputs'
+            second moments: the ``observer`` needs ``second_moments=True``).
 
     Returns:
         ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
@@ -139,6 +152,7 @@ def build_svdquant_artifact(
     """
     if method not in METHODS:
         raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
+    _check_rounding(rounding, observer)
     if method == "rtn":
         rank, absmax = 0, None
     elif absmax is None:
@@ -156,7 +170,8 @@ def build_svdquant_artifact(
         b_digest = next(digests) if s.module.bias is not None else None
         with torch.no_grad():
             q = decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
-                          act_absmax=stats, alpha=alpha, svd=svd)
+                          act_absmax=stats, alpha=alpha, svd=svd,
+                          hessian=observer.moments[s.path] if rounding == "gptq" else None)
         for name, tensor in q.tensors().items():
             tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
         linears[s.path] = _linear_record(s, q, w_digest, b_digest, observer)
@@ -164,7 +179,15 @@ def build_svdquant_artifact(
                          include=include, calibration=calibration, linears=linears)
     if unsmoothed:
         manifest["unsmoothed"] = [str(p) for p in unsmoothed]
+    manifest["calibration"]["rounding"] = rounding
     return manifest, tensors
+
+
+def _check_rounding(rounding: str, observer: InputAbsmaxObserver | None) -> None:
+    if rounding not in ROUNDINGS:
+        raise InvalidRequestError(f"--rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+    if rounding == "gptq" and (observer is None or not observer.second_moments):
+        raise InvalidRequestError("--rounding gptq needs the inputs' second moments (calibrate with it set)")
 
 
 def _unsmoothed_paths(model: nn.Module, selected: Sequence[SelectedLinear], patterns: Sequence[str]) -> set[str]:
@@ -246,7 +269,7 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         seeds: calibration seeds (11, 12 by default).
         frames, height, width, steps, guidance: request size (recipe defaults when ``None``).
         references: directory receiving ``calibration_<seed>.pt`` (``{"latents", "video"}``) per request.
-        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed`` for
+        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed``, ``rounding`` for
             :func:`build_svdquant_artifact`.
 
     Returns:
@@ -268,7 +291,7 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         raise InvalidRequestError("calibrate the dense model: uninstall its accelerations first")
     selected = select_for_calibration(model, include)
     out_dir = Path(references) if references is not None else None
-    with InputAbsmaxObserver(selected) as observer:
+    with InputAbsmaxObserver(selected, second_moments=decomposition.get("rounding") == "gptq") as observer:
         sources = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, frames=frames, height=height,
                                         width=width, steps=steps, guidance=guidance)
                    for i, seed in enumerate(seeds)]

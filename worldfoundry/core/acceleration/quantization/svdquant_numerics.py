@@ -166,7 +166,8 @@ def _svd(matrix: torch.Tensor, rank: int, method: str, seed: int) -> tuple[torch
 
 
 def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: torch.Tensor | None = None,
-              alpha: float = 0.5, svd: str = "full", seed: int = 0) -> SVDQuantWeight:
+              alpha: float = 0.5, svd: str = "full", seed: int = 0,
+              hessian: torch.Tensor | None = None) -> SVDQuantWeight:
     """Split a Linear weight into smoothing, a bfloat16 rank-``r`` pair and an INT4 residual.
 
     Args:
@@ -177,6 +178,9 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         alpha: smoothing migration strength.
         svd: ``"full"`` (exact) or ``"randomized"`` (``torch.svd_lowrank``, 4 power iterations, seeded).
         seed: seed of the randomized SVD.
+        hessian: the calibration inputs' second moments ``X^T X`` ``[K, K]``: the INT4 residual is then rounded
+            with error compensation (:mod:`~worldfoundry.core.acceleration.quantization.gptq_rounding`, under the
+            smoothed inputs' moments) instead of to nearest; same codes and scales format.
 
     Returns:
         :class:`SVDQuantWeight` on the weight's device. ``rank = 0`` without ``act_absmax`` is INT4 RTN.
@@ -208,7 +212,13 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         down = (down_smoothed if inv_smooth is None else down_smoothed * inv_smooth).to(LOWRANK_DTYPE).contiguous()
         acting = down.float() if smooth is None else down.float() * smooth
         residual = w - up.float() @ acting
-    qweight, scales = quantize_int4_groupwise(residual, group_size)
+    if hessian is None:
+        qweight, scales = quantize_int4_groupwise(residual, group_size)
+    else:
+        from worldfoundry.core.acceleration.quantization.gptq_rounding import gptq_quantize_int4, smoothed_hessian
+
+        moments = hessian if smooth is None else smoothed_hessian(hessian, smooth)
+        qweight, scales = gptq_quantize_int4(residual, moments.to(residual.device), group_size)
     return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
 
 

@@ -1,0 +1,102 @@
+"""Error-compensating rounding of an INT4 weight (GPTQ's column order) from calibration input statistics.
+
+Round-to-nearest treats every weight on its own. With the inputs' second moments ``H = X^T X`` (``[K, K]``, summed
+over the calibration rows), the rounding error of input column ``k`` can be compensated in the columns not yet
+rounded, so that the *output* ``X W^T`` moves less: columns are rounded left to right, and after each the
+remaining columns absorb ``err_k * U[k, k+1:] / U[k, k]`` with ``U`` the upper Cholesky factor of ``H^-1``
+(Frantar et al., "GPTQ", 2022). The codes and scales have the same format as
+:func:`~worldfoundry.core.acceleration.quantization.int4_packing.quantize_int4_groupwise` (signed 4-bit codes, one
+bfloat16 scale per group of ``G`` input features and output feature, ``absmax / 7`` of the group's weights at the
+time the group is reached), so an artifact's consumers need nothing new.
+
+In SVDQuant the quantized tensor is the residual of the smoothed weight, whose inputs are the smoothed
+activations ``X / s``; :func:`smoothed_hessian` rescales ``H`` accordingly.
+
+Example:
+    >>> import torch
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x = torch.randn(256, 64, generator=g) @ torch.randn(64, 64, generator=g)
+    >>> w = torch.randn(16, 64, generator=g)
+    >>> packed, scales = gptq_quantize_int4(w, x.t() @ x, group_size=64)
+    >>> tuple(packed.shape), tuple(scales.shape)
+    ((16, 32), (1, 16))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worldfoundry.core.acceleration.quantization.int4_packing import (
+    INT4_MAX,
+    INT4_MIN,
+    groupwise_scales,
+    pack_int4,
+    scale_groups,
+)
+from worldfoundry.errors import QuantizationInputError
+
+#: Columns per block of the update (within a block column by column, then one product for the columns after it).
+BLOCK = 128
+#: Dampening added to ``H``'s diagonal, as a fraction of its mean (keeps the Cholesky factorisation defined where
+#: some inputs never varied).
+DAMPING = 0.01
+
+
+def smoothed_hessian(hessian: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """``H`` of the smoothed inputs ``X / s``: ``H[i, j] / (s[i] s[j])``."""
+    inv = 1.0 / smooth.float()
+    return hessian.float() * inv[:, None] * inv[None, :]
+
+
+def _inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damping)^-1`` (float64), with dead inputs' diagonal set to 1."""
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0
+    damp = DAMPING * torch.diagonal(h).mean()
+    h += damp * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    lower = torch.linalg.cholesky(h)
+    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+
+
+def gptq_quantize_int4(weight: torch.Tensor, hessian: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """INT4 codes and scales of ``weight`` ``[N, K]`` with GPTQ's error compensation under ``hessian`` ``[K, K]``.
+
+    Returns:
+        ``(packed int8 [N, K/2], scales bfloat16 [K/G or 1, N])``, the format of ``quantize_int4_groupwise``.
+
+    Raises:
+        QuantizationInputError: shapes that do not match, or a group size the format does not take.
+    """
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise QuantizationInputError(f"gptq_quantize_int4: weight {tuple(weight.shape)} and input statistics "
+                                     f"{tuple(hessian.shape)} do not match ([N, K] and [K, K])")
+    n, k = weight.shape
+    groupwise_scales(weight, group_size)  # the format's checks of the group size
+    groups = scale_groups(k, group_size)
+    width = k // groups
+    w = weight.detach().double().clone()
+    u = _inverse_cholesky(hessian.to(w.device))
+    codes = torch.empty((n, k), dtype=torch.int8, device=w.device)
+    scales = torch.empty((groups, n), dtype=torch.bfloat16, device=w.device)
+    for b0 in range(0, k, BLOCK):  # columns in blocks; the errors of a block reach the later blocks at its end
+        b1 = min(b0 + BLOCK, k)
+        block = w[:, b0:b1]
+        err = torch.empty_like(block)
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % width == 0:  # a group starts: its scale from its weights as they are now
+                amax = block[:, i:i + width].float().abs().amax(dim=1) if width <= b1 - col else \
+                    w[:, col:col + width].float().abs().amax(dim=1)
+                scales[col // width] = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+            scale = scales[col // width].double()
+            q = torch.round(block[:, i] / scale).clamp_(INT4_MIN, INT4_MAX)
+            codes[:, col] = q.to(torch.int8)
+            err[:, i] = (block[:, i] - q * scale) / u[col, col]
+            block[:, i + 1:] -= err[:, i:i + 1] * u[col, col + 1:b1][None, :]
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return pack_int4(codes, group_size), scales
+
+
+__all__ = ["BLOCK", "DAMPING", "gptq_quantize_int4", "smoothed_hessian"]
