@@ -71,6 +71,7 @@ from worldfoundry.core.acceleration.installer import install_diffusion_accelerat
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
 from worldfoundry.core.fusion.launch import direct_launch, launch_path
 from worldfoundry.core.model_loading.dtypes import apply_dtype_policy
+from worldfoundry.core.fusion.compile_pool import set_default_compile_mode
 
 #: SANA-Video 480p (81 frames 480x832 -> latent 21x60x104, 32,760 tokens) and its CPU smoke stand-in.
 SANA_LATENT = (21, 60, 104)
@@ -449,6 +450,7 @@ def main() -> None:
     p.add_argument("--no-fa3", dest="fa3", action="store_false",
                    help="skip FlashAttention-3 on self-attention (attention_policy + attention_fa3) and its stacks")
     args = p.parse_args()
+    set_default_compile_mode("blocking")  # kernels compile before a first fused call, never beside timing
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
         args.rounds, args.target_ms, args.pairs = 2, 1.0, min(args.pairs, 4)

@@ -43,6 +43,7 @@ from block_fusion import build, caller, inputs_for  # noqa: E402
 from worldfoundry.bench.host_speed import probe_ms  # noqa: E402
 from worldfoundry.bench.microbench import SMOKE_WORKLOADS, WORKLOADS, provenance  # noqa: E402
 from worldfoundry.core.timing import sync  # noqa: E402
+from worldfoundry.core.fusion.compile_pool import set_default_compile_mode  # noqa: E402
 
 #: iterations of the bench's host probe loop per sample (five of the bench's probes; `11b3738` timed its own
 #: ``acc += i % 7`` loop of 100,000 iterations instead: absolute figures differ, phases show the same way)
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--forwards", type=int, default=120, help="forwards per phase")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
+    set_default_compile_mode("blocking")  # kernels compile before a first fused call, never beside timing
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     latent = (SMOKE_WORKLOADS if args.smoke else WORKLOADS)["W17" if not args.smoke else next(iter(SMOKE_WORKLOADS))]
     model = build("wan", args.smoke, device)

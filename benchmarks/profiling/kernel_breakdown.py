@@ -33,6 +33,7 @@ from block_fusion import build, caller, inputs_for, registry  # benchmark helper
 
 from worldfoundry.bench.microbench import SMOKE_WORKLOADS, WORKLOADS, provenance  # noqa: E402
 from worldfoundry.core.acceleration.installer import install_diffusion_accelerations  # noqa: E402
+from worldfoundry.core.fusion.compile_pool import set_default_compile_mode  # noqa: E402
 
 #: (class, pattern on the lower-cased kernel name), first match wins
 CLASSES: tuple[tuple[str, str], ...] = (
@@ -115,6 +116,7 @@ def main() -> None:
     p.add_argument("--workloads", default="W17")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (no CUDA kernels to classify)")
     args = p.parse_args()
+    set_default_compile_mode("blocking")  # kernels compile before a first fused call, never beside timing
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     shapes = SMOKE_WORKLOADS if args.smoke else WORKLOADS
     data: dict[str, Any] = {"provenance": provenance(device), "workloads": {}}

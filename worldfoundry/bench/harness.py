@@ -45,6 +45,7 @@ from worldfoundry.bench.timing import (
 from worldfoundry.bench.unavailable import insert_rows, load_available
 from worldfoundry.base_models.diffusion_model.pipeline import DiffusionRequest, NativeDiffusionPipeline, resolve_recipe
 from worldfoundry.core.acceleration.registry import AccelerationRegistry, diffusion_acceleration_registry
+from worldfoundry.core.fusion.compile_pool import set_default_compile_mode
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.core.model_loading.recipes import project_root, recipe_dirs
 from worldfoundry.errors import BenchArgumentError, WorldFoundryError
@@ -186,10 +187,14 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
                                                    random_weights=config.random_weights, registry=registry)
     gc.collect()
     gc.freeze()  # the loaded model and libraries: later collections skip them
+    # pilots prove execution and rounds time the steady state: fusion kernels compile before a first fused call
+    # (``kernel_compile: auto`` -> blocking), never beside timed or proved calls
+    compile_mode = set_default_compile_mode("blocking")
     try:
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
         insert_rows(results["candidates"], plan.unavailable)
     finally:
+        set_default_compile_mode(compile_mode)
         gc.unfreeze()
         pipe.close()
         config.extra.pop("_timing_policy", None)

@@ -138,8 +138,8 @@ def test_block_fusions_processor_is_intercepted_at_its_dispatcher_too(wan_case, 
     with request_scope(RequestContext("alone")):
         reference = wan_case.run()
     alone.uninstall()
-    session = install_diffusion_accelerations(wan_case.model, {**SPEC, "wan_block_fusion": {"min_tokens": 0}},
-                                              registry=registry)
+    fusion = {"min_tokens": 0, "kernel_compile": "blocking"}  # the fused processor runs from the first call
+    session = install_diffusion_accelerations(wan_case.model, {**SPEC, "wan_block_fusion": fusion}, registry=registry)
     assert type(wan_case.model.blocks[0].attn1.processor).__name__ == "WanFusedSelfAttnProcessor"
     with request_scope(RequestContext("r1")):
         out = wan_case.run()

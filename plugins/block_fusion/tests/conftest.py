@@ -193,6 +193,17 @@ def cuda_rms_norm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(qk_norm, "QK_NORM_DEVICES", ("cuda", "cpu"))
 
 
+@pytest.fixture(autouse=True)
+def blocking_kernel_compile() -> Any:
+    """Kernels compile before a request's first fused call (``kernel_compile: auto`` -> ``blocking``), so counts
+    hold from the first call; the tests of ``background`` ask for it explicitly."""
+    from worldfoundry.core.fusion.compile_pool import set_default_compile_mode
+
+    previous = set_default_compile_mode("blocking")
+    yield
+    set_default_compile_mode(previous)
+
+
 @pytest.fixture
 def kit() -> Any:
     """This module's builders and helpers (tests run in importlib mode and cannot import it)."""

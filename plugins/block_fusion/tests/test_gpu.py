@@ -111,3 +111,26 @@ def test_sana_video_480p_two_blocks_bitwise() -> None:
     assert record["counters"]["linear_attention"] == 2
     assert record["counters"]["glu"] == 2  # the feed-forward's gated SiLU, at 2 x 5,600 channels x 32,760 tokens
     assert not any(reason.startswith("glu") for reason in record["fallbacks"])
+
+
+def test_background_compilation_runs_the_original_blocks_first_and_the_kernels_once_ready() -> None:
+    """``kernel_compile: background`` with the real compiler: bitwise on every call, fused once ready."""
+    from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING
+
+    model = _wan(2)
+    inputs = _wan_inputs(5, 40, 72)
+    with torch.inference_mode():
+        dense = model(**inputs)[0]
+        session = install_diffusion_accelerations(model, {"wan_block_fusion": {"kernel_compile": "background"}},
+                                                  registry=_registry())
+        with request_scope(RequestContext("first")):
+            first = model(**inputs)[0]
+        assert session.wait_ready(120)
+        with request_scope(RequestContext("ready")):
+            ready = model(**inputs)[0]
+        report = session.execution_report()["plugins"]["wan_block_fusion"]["model"]
+        session.uninstall()
+    assert torch.equal(first, dense) and torch.equal(ready, dense)
+    assert set(report["requests"]["first"]["fallbacks"]) <= {REASON_COMPILING}  # the kernels may be cached already
+    assert report["requests"]["ready"]["fallbacks"] == {} and report["requests"]["ready"]["counters"]["modulate"] == 4
+    assert report["kernel_compile"] == "background" and report["kernels_pending"] is False

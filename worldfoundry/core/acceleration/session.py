@@ -85,6 +85,28 @@ class AccelerationSession:
         """The live handles of acceleration ``name`` keyed by expert label (for tests and diagnostics)."""
         return {a.expert: a.handle for a in self._active if a.name == name}
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for work the plugins do in the background that changes what later calls run (block fusion's
+        kernels compiling while the original forwards run, ``kernel_compile: background``).
+
+        Args:
+            timeout: seconds in all (``None``: no limit).
+
+        Returns:
+            ``True`` when no plugin has such work running any more, ``False`` when ``timeout`` ran out first.
+        """
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for entry in self._active:
+            wait = getattr(entry.handle, "wait_ready", None)
+            if wait is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not wait(left):
+                return False
+        return True
+
     # ------------------------------------------------------------------ request callbacks (from the guard)
     def on_begin_request(self, request_id: str) -> None:
         """Tell every handle a request begins. If one refuses, the handles already told are ended again."""

@@ -43,7 +43,8 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled, triton
+from worldfoundry.core.fusion.compile_pool import PRECOMPILE_WORKERS, compile_concurrently, wait_warm, warm_compiler
+from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -113,23 +114,25 @@ def direct_launch(enabled: bool) -> Iterator[None]:
 #: Per thread, ``recording``: the launches an active :func:`precompile` block records (absent: launches run).
 #: Thread-local, so that another thread's launches keep running while one thread precompiles.
 _LOCAL = threading.local()
-#: Compile threads of :func:`precompile` (a Wan or SANA-Video block needs four to seven variants).
-PRECOMPILE_WORKERS: Final = 8
 
 
 @contextlib.contextmanager
-def precompile(workers: int = PRECOMPILE_WORKERS) -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
+def precompile(workers: int = PRECOMPILE_WORKERS, *, compile_now: bool = True
+               ) -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
     """Inside the block, fusion launches only *record* their kernel and arguments; nothing runs on the device.
 
-    On exit the recorded kernels that are not compiled yet are compiled concurrently (Triton's
-    ``AsyncCompileMode`` over a thread pool, one ``JITFunction.warmup`` per launch), so that a block's first
-    fused call finds every variant it needs in Triton's cache instead of compiling them one after another.
+    On exit the recorded kernels that are not compiled yet are compiled concurrently, and each is made ready to
+    launch (launcher built, binary loaded) by the thread that compiled it
+    (:func:`~worldfoundry.core.fusion.compile_pool.compile_concurrently`), so that a block's first fused call
+    finds every variant it needs ready instead of compiling and loading them one after another.
     Outputs the recorded calls return are uninitialised. Under Triton's interpreter, or where Triton lacks
     ``AsyncCompileMode``, nothing is compiled (the launches compile on first use as usual). A compile error is
     logged and left to the real launch to raise.
 
     Args:
         workers: compile threads.
+        compile_now: ``False`` only records (the caller compiles the yielded jobs itself, e.g. on a background
+            thread with :func:`~worldfoundry.core.fusion.compile_pool.compile_concurrently`).
 
     Yields:
         The recorded ``(launcher, arguments)`` pairs (for tests and reports).
@@ -145,62 +148,8 @@ def precompile(workers: int = PRECOMPILE_WORKERS) -> Iterator[list[tuple[Any, tu
         yield jobs
     finally:
         _LOCAL.recording = None
-    if jobs and TRITON_AVAILABLE and not interpreter_enabled():
-        _compile_concurrently(jobs, workers)
-
-
-#: The background thread of :func:`warm_compiler` (``None``: not started).
-_WARM: list[threading.Thread | None] = [None]
-
-
-def warm_compiler() -> None:
-    """Start, once per process, a background thread that prepares Triton's compiler for a first compilation.
-
-    Triton's first compilation in a process computes its compiler cache key -- a hash of Triton's own sources and
-    of ``libtriton`` (hundreds of megabytes read and hashed, the GIL released; about half a second), needed even
-    when the on-disk cache holds every kernel -- and imports its code generator. Started when a fusion plugin is
-    activated, this overlaps with whatever runs before the first fused call. Does nothing under the interpreter
-    or without Triton; a failure is logged at debug level (the first compilation then does the work itself).
-    """
-    if _WARM[0] is not None or not TRITON_AVAILABLE or interpreter_enabled():
-        return
-
-    def work() -> None:
-        try:
-            from triton.runtime.cache import triton_key
-
-            triton_key()
-            import triton.compiler.code_generator  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - an optimisation only
-            logger.debug("warming Triton's compiler failed: %s: %s", type(exc).__name__, exc)
-
-    thread = threading.Thread(target=work, name="worldfoundry-triton-warmup", daemon=True)
-    _WARM[0] = thread
-    thread.start()
-
-
-def _wait_warm() -> None:
-    """Let a running :func:`warm_compiler` thread finish (so its work is not done twice)."""
-    thread = _WARM[0]
-    if thread is not None and thread.is_alive():
-        thread.join()
-
-
-def _compile_concurrently(jobs: list[tuple[Any, tuple[Any, ...]]], workers: int) -> None:
-    _wait_warm()
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # pragma: no cover - Triton < 3.4
-        return
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, AsyncCompileMode(pool):
-            for launcher, args in jobs:
-                launcher.warmup(args)
-    except Exception as exc:  # noqa: BLE001 - the real launch compiles again and raises a real error
-        logger.warning("concurrent precompilation of fusion kernels failed (%s: %s); they compile on first use",
-                       type(exc).__name__, exc)
+    if compile_now and jobs and TRITON_AVAILABLE and not interpreter_enabled():
+        compile_concurrently(jobs, workers)
 
 
 def alignment_mask(pointers: Sequence[torch.Tensor]) -> int:
@@ -227,6 +176,7 @@ class _Runtime:
     __slots__ = ("device", "knobs", "stream")
 
     def __init__(self) -> None:
+        wait_warm()  # a warming thread may be creating the driver
         from triton import knobs
         from triton.runtime.driver import driver
 
@@ -281,6 +231,11 @@ class KernelLauncher:
         self._compiled: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
         #: a direct launch of this plan succeeded (a later exception is a real error, not a missing API)
         self._proven = False
+
+    @property
+    def fn(self) -> Any:
+        """The jitted kernel."""
+        return self._fn
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -346,7 +301,7 @@ class KernelLauncher:
 
     def _first(self, key: tuple[int, int], pointers: Sequence[torch.Tensor], scalars: Sequence[Any]) -> None:
         """First launch of a specialization: the normal path, keeping the compiled kernel it returns."""
-        _wait_warm()
+        wait_warm()
         compiled = self.normal(pointers, scalars)
         try:
             run = compiled.run  # initialises the handles (function) where the normal path has not
@@ -372,6 +327,7 @@ if _UNAVAILABLE[0] is not None and TRITON_AVAILABLE and not interpreter_enabled(
 
 __all__ = [
     "POINTER_ALIGNMENT",
+    "PRECOMPILE_WORKERS",
     "KernelLauncher",
     "alignment_mask",
     "direct_launch",

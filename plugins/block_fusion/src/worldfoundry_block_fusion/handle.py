@@ -97,16 +97,34 @@ class BlockFusionHandle(RecordedHandle):
     """Undoes the replaced forwards/processors; reports fused calls per chain and fallbacks per request."""
 
     #: the fused forwards have no per-call Python state a CUDA-graph replay would skip, beyond the counts that
-    #: :meth:`fold_counts` hands to the (diverted) ledger during a capture
+    #: :meth:`fold_counts` hands to the (diverted) ledger during a capture (and whether the kernels are ready:
+    #: :meth:`graph_call`)
     cuda_graph_safe = True
 
     def __init__(self, name: str, counters: FusionCounters, *, chains: tuple[str, ...], blocks: list[str],
-                 notes: dict[str, Any]) -> None:
+                 notes: dict[str, Any], kernels: Any = None) -> None:
         super().__init__(name, PatchRecorder(name), counters.ledger)
         self.counters = counters
         self.chains = chains
         self.blocks = blocks
         self.notes = notes
+        #: the :class:`~worldfoundry_block_fusion.kernel_warmup.KernelWarmup` of the fused blocks
+        self.kernels = kernels
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for kernels compiling in the background (``kernel_compile: background``); ``True`` once none is."""
+        return True if self.kernels is None else self.kernels.wait(timeout)
+
+    def graph_call(self) -> Any:
+        """Beside ``cuda_graph``: run eagerly while the kernels compile; key graphs by finished compilations."""
+        from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
+        from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING
+
+        if self.kernels is None:
+            return None
+        if self.kernels.pending() or self.kernels.awaiting_first():
+            return GraphCall(eager_reason=REASON_COMPILING)
+        return GraphCall(key=self.kernels.graph_key())
 
     def fold_counts(self) -> None:
         """Fold the plain counters into the ledger (the CUDA-graph runner calls it around a capture)."""
@@ -125,6 +143,8 @@ class BlockFusionHandle(RecordedHandle):
         report["chains"] = list(self.chains)
         report["fused_blocks"] = len(self.blocks)
         report.update(self.notes)
+        if self.kernels is not None:
+            report.update(self.kernels.report())
         return report
 
 

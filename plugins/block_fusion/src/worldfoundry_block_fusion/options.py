@@ -6,6 +6,7 @@ Spec::
                           "min_tokens": 0, "blocks": null}}
     {"wan_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "rope", "float_carry"]}}
     {"sana_block_fusion": {"chains": ["modulate", "gated_residual", "cross_residual", "linear_attention", "glu"]}}
+    {"wan_block_fusion": {"kernel_compile": "blocking"}}
 
 Example:
     >>> WanOptions.from_mapping({"chains": ["rope"]}).chains
@@ -41,6 +42,10 @@ WAN_DEFAULT_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "ro
 #: ``hidden * (1 / (t + 1e-15))`` with the cast, of the linear self-attention processor), ``glu`` (the
 #: feed-forward's gated SiLU ``h * silu(gate)`` over the two halves of the depthwise convolution's output).
 SANA_CHAINS: Final = ("modulate", "gated_residual", "cross_residual", "linear_attention", "glu")
+#: ``kernel_compile``: when the kernels compile -- ``blocking`` (the first fused call waits), ``background`` (the
+#: original forward runs until they are ready, counted as fallbacks), ``auto`` (the process default,
+#: ``background`` unless :func:`worldfoundry.core.fusion.compile_pool.set_default_compile_mode` changed it).
+KERNEL_COMPILE_MODES: Final = ("auto", "background", "blocking")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class WanOptions(PluginOptions):
             run as eager's torch operations.
         min_tokens: blocks called with fewer tokens per sample run the original forward (counted as fallbacks).
         blocks: indices of the blocks to fuse (default: every block).
+        kernel_compile: ``auto``, ``background`` or ``blocking`` (see :data:`KERNEL_COMPILE_MODES`).
     """
 
     plugin_name: ClassVar[str] = WAN_NAME
@@ -61,6 +67,7 @@ class WanOptions(PluginOptions):
     min_tokens: int = option(0, integer(min=0, max=2**40))
     blocks: tuple[int, ...] | None = option(None, optional(sequence_of(integer(min=0, max=100_000), min_items=1,
                                                                        unique=True)))
+    kernel_compile: str = option("auto", choice(*KERNEL_COMPILE_MODES))
 
     def validate(self) -> None:
         if "qk_norm" in self.chains and "rope" not in self.chains:
@@ -81,6 +88,7 @@ class SanaOptions(PluginOptions):
     min_tokens: int = option(0, integer(min=0, max=2**40))
     blocks: tuple[int, ...] | None = option(None, optional(sequence_of(integer(min=0, max=100_000), min_items=1,
                                                                        unique=True)))
+    kernel_compile: str = option("auto", choice(*KERNEL_COMPILE_MODES))
 
 
-__all__ = ["SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_DEFAULT_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]
+__all__ = ["KERNEL_COMPILE_MODES", "SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_DEFAULT_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from worldfoundry.core.acceleration.patching import patch_names
 from worldfoundry.core.fusion.launch import warm_compiler
+from worldfoundry_block_fusion.kernel_warmup import KernelWarmup
 from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.errors import AccelerationOptionsError, AccelerationRefusedError
 from worldfoundry.plugin import (
@@ -125,10 +126,12 @@ def activate_plan(plan: BlockPlan, opts: PluginOptions, runtime_factory: Callabl
     undone on failure part-way."""
     counters = FusionCounters(ExecutionLedger(plan.name))
     runtime = runtime_factory(counters)
+    runtime.kernels = KernelWarmup(getattr(opts, "kernel_compile", "auto"))
     if torch.cuda.is_available():  # the kernels will compile: prepare Triton's compiler in the background
         warm_compiler()
     handle = BlockFusionHandle(plan.name, counters, chains=tuple(opts.chains), blocks=[p for p, _ in plan.blocks],
-                               notes={"min_tokens": opts.min_tokens, "kernels": kernel_note()})
+                               notes={"min_tokens": opts.min_tokens, "kernels": kernel_note()},
+                               kernels=runtime.kernels)
     with PatchRecorder(plan.name) as recorder:
         for path, block in plan.blocks:
             recorder.wrap_forward(block, runtime.make_block_forward(block, path), name=plan.name)

@@ -46,6 +46,7 @@ from worldfoundry_block_fusion.handle import (
     BlockCounts,
     FusionCounters,
 )
+from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING, KernelWarmup
 from worldfoundry_block_fusion.sana_ffn import make_ff_forward, precompile_glu
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,10 @@ class SanaBlockRuntime:
         self.linear_attention = "linear_attention" in chains
         self.glu = "glu" in chains
         self._counts: dict[str, BlockCounts] = {}
-        #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
+        #: the kernel variants a block needs were recorded and their compilation started (see :attr:`kernels`)
         self.precompiled = False
+        #: compiles the recorded variants, now or in the background (set from the options at activation)
+        self.kernels = KernelWarmup()
 
     def block_counts(self, path: str) -> BlockCounts:
         """The plain counters of the block at ``path`` (one per block, shared by its forward, processor and FFN)."""
@@ -104,6 +107,7 @@ class SanaBlockRuntime:
                     if reason is None and not (hidden_states.dtype == block.scale_shift_table.dtype == emb.dtype):
                         reason = REASON_MIXED
                 if reason is not None:
+                    self.kernels.seen = True
                     self.counters.fallback(path, reason)
                     return original(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                     timestep, frames, height, width, rotary_emb)
@@ -112,6 +116,10 @@ class SanaBlockRuntime:
                     self.counters.switch(counts, rid)
                 if not self.precompiled:
                     self.precompile(block, hidden_states, emb, rotary_emb, frames, height, width)
+                if self.kernels.pending():
+                    self.counters.fallback(path, REASON_COMPILING)
+                    return original(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                    timestep, frames, height, width, rotary_emb)
                 return self.block_forward(block, path, counts.counts, hidden_states, encoder_hidden_states,
                                           encoder_attention_mask, emb, frames, height, width, rotary_emb)
 
@@ -121,7 +129,8 @@ class SanaBlockRuntime:
 
     def precompile(self, block: nn.Module, x: torch.Tensor, emb: torch.Tensor, rotary_emb: Any,
                    frames: int | None = None, height: int | None = None, width: int | None = None) -> None:
-        """Compile the kernel variants of :meth:`block_forward` and the processor concurrently, before they run.
+        """Record the kernel variants of :meth:`block_forward` and the processor and have :attr:`kernels` compile
+        them (concurrently; before this call goes on, or in the background -- ``kernel_compile``).
 
         The fused calls are issued on uninitialised contiguous tensors of the geometry the block's own calls will
         have (:func:`~worldfoundry.core.fusion.launch.precompile` records them instead of launching). Nothing is
@@ -132,7 +141,7 @@ class SanaBlockRuntime:
         bsz, s, c = x.shape
         like = torch.empty((bsz, s, c), dtype=x.dtype, device=x.device)
         try:
-            with precompile():
+            with precompile(compile_now=False) as jobs:
                 if self.modulate:
                     modulate(like, table, emb, 0, 1, out_dtype=x.dtype, precision="per_op")
                 if self.gate:
@@ -154,6 +163,8 @@ class SanaBlockRuntime:
         except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
             logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
                            type(exc).__name__, exc)
+            return
+        self.kernels.start(jobs)
 
     def block_forward(self, block: nn.Module, path: str, counts: list[int], x: torch.Tensor,
                       encoder_hidden_states: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None, emb: torch.Tensor, frames: int, height: int,
@@ -226,6 +237,8 @@ class SanaFusedLinearAttnProcessor:
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: torch.Tensor | None = None) -> torch.Tensor:
+        if self.runtime.kernels.pending():  # the block's fallback counted it
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         reason = self._reason(hidden_states, encoder_hidden_states, rotary_emb)
         if reason is not None:
             self.runtime.counters.fallback(self.path, "linear_attention: " + reason)

@@ -79,6 +79,8 @@ def make_ff_forward(runtime: SanaBlockRuntime, ff: nn.Module, path: str
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            if runtime.kernels.pending():  # the block's fallback counted it
+                return original(hidden_states)
             reason = glu_reason(hidden_states, ff, runtime.min_tokens)
             if reason is not None:
                 runtime.counters.fallback(path, "glu: " + reason)

@@ -66,6 +66,7 @@ from worldfoundry_block_fusion.eligibility import (
     table_reason,
     temb_reason,
 )
+from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING, KernelWarmup
 from worldfoundry_block_fusion.qk_norm import QKNormCheck
 from worldfoundry_block_fusion.handle import (
     CROSS_RESIDUAL,
@@ -103,8 +104,10 @@ class WanBlockRuntime:
         self._counts: dict[str, BlockCounts] = {}
         #: (cos, sin, Q shape, dtype, device) last found eligible for the rotary kernel (held: identities stay unique)
         self.rotary_checked: tuple[Any, ...] | None = None
-        #: the kernel variants a block needs were compiled (concurrently) before the first fused block ran
+        #: the kernel variants a block needs were recorded and their compilation started (see :attr:`kernels`)
         self.precompiled = False
+        #: compiles the recorded variants, now or in the background (set from the options at activation)
+        self.kernels = KernelWarmup()
         #: id(norm) -> ((norm, weight, bias), (width, affine, id and address of weight and bias)) of norms whose
         #: static checks passed
         self.norms_checked: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
@@ -129,6 +132,7 @@ class WanBlockRuntime:
                     reason = self.modulation_reason(hidden_states, table, temb, checked)
                 if reason is not None:
                     self.carry.clear()
+                    self.kernels.seen = True
                     self.counters.fallback(path, reason)
                     return original(hidden_states, encoder_hidden_states, temb, rotary_emb)
                 rid = current_request_id()
@@ -136,6 +140,10 @@ class WanBlockRuntime:
                     self.counters.switch(counts, rid)
                 if not self.precompiled:
                     self.precompile(block, hidden_states, temb, rotary_emb, table)
+                if self.kernels.pending():
+                    self.carry.clear()
+                    self.counters.fallback(path, REASON_COMPILING)
+                    return original(hidden_states, encoder_hidden_states, temb, rotary_emb)
                 norms = self.fused_norms(block, hidden_states, path) if self.norms else (False, False, False)
                 return self.block_forward(block, counts.counts, hidden_states, encoder_hidden_states, temb,
                                           rotary_emb, table, norms)
@@ -167,7 +175,8 @@ class WanBlockRuntime:
 
     def precompile(self, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, rotary_emb: Any,
                    full_table: torch.Tensor) -> None:
-        """Compile the kernel variants :meth:`block_forward` will launch, concurrently, before it first runs.
+        """Record the kernel variants :meth:`block_forward` will launch and have :attr:`kernels` compile them
+        (concurrently; before this call goes on, or in the background -- ``kernel_compile``).
 
         The fused calls are issued on uninitialised tensors of the geometry the block's own calls will have
         (:func:`~worldfoundry.core.fusion.launch.precompile` records them instead of launching): the LayerNorm
@@ -179,7 +188,7 @@ class WanBlockRuntime:
         carry = self.carry_enabled and x.dtype != torch.float32
         like = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         try:
-            with precompile():
+            with precompile(compile_now=False) as jobs:
                 if self.modulate:
                     modulate(torch.empty(x.shape, dtype=torch.float32, device=x.device), table, temb, 0, 1,
                              out_dtype=x.dtype)
@@ -193,6 +202,8 @@ class WanBlockRuntime:
         except Exception as exc:  # noqa: BLE001 - precompilation is an optimisation only
             logger.warning("block_fusion: precompiling the kernels failed (%s: %s); they compile on first use",
                            type(exc).__name__, exc)
+            return
+        self.kernels.start(jobs)
 
     def _precompile_rotary(self, block: nn.Module, x: torch.Tensor, rotary_emb: Any) -> None:
         """Record the rotary kernel's variant: with ``qk_norm`` the fused norms + rotary (when the self-attention's
@@ -379,7 +390,8 @@ class WanFusedSelfAttnProcessor:
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if encoder_hidden_states is not None or attn.add_k_proj is not None:
+        if encoder_hidden_states is not None or attn.add_k_proj is not None or self.runtime.kernels.pending():
+            # cross-attention, or kernels compiling in the background (the block's fallback counted it)
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         # looked up in diffusers' module at call time, as the stock processor resolves them (a patch there applies)
         global_hooks = not no_global_hooks()
