@@ -145,6 +145,29 @@ def test_quality_only_skips_timing(tmp_path: Path, registry: AccelerationRegistr
     assert results["candidates"][0]["speed"] is None
 
 
+def test_the_bench_compiles_fusion_kernels_before_first_fused_calls_and_restores_the_default(
+        tmp_path: Path, registry: AccelerationRegistry, monkeypatch) -> None:
+    from worldfoundry.core.fusion.compile_pool import default_compile_mode, set_default_compile_mode
+
+    seen: list[str] = []
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        seen.append(default_compile_mode())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(harness, "_run", record)
+    path = _write(tmp_path, [{"name": "exact", "accelerations": {"exact_test": True}}])
+    previous = set_default_compile_mode("background")
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            run_bench(BenchConfig(candidates=str(path), out=str(tmp_path / "o"), quality_only=True,
+                                  progress=False), registry=registry)
+        # pilots prove execution and rounds time the steady state: kernel_compile auto -> blocking while it runs
+        assert seen == ["blocking"] and default_compile_mode() == "background"
+    finally:
+        set_default_compile_mode(previous)
+
+
 @pytest.mark.parametrize(
     ("mutate", "path"),
     [
