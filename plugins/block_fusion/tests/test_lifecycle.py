@@ -32,7 +32,8 @@ def test_options_defaults_and_errors() -> None:
     assert SanaOptions.from_mapping(None).chains == SANA_CHAINS
     assert WanOptions.from_mapping({"blocks": [2, 0], "min_tokens": 64}).to_json() == {
         "chains": list(WAN_DEFAULT_CHAINS), "min_tokens": 64, "blocks": [2, 0], "kernel_compile": "auto"}
-    cases = [({"kernel_compile": "lazy"}, "kernel_compile"), ({"chain": ["rope"]}, "unknown option"), ({"chains": ["linear_attention"]}, "chains\\[0\\]"),
+    cases = [({"kernel_compile": "lazy"}, "kernel_compile"),
+             ({"chain": ["rope"]}, "unknown option"), ({"chains": ["linear_attention"]}, "chains\\[0\\]"),
              ({"chains": []}, "chains"), ({"chains": ["rope", "rope"]}, "twice"), ({"min_tokens": -1}, "min_tokens"),
              ({"blocks": [-1]}, "blocks\\[0\\]"), ({"chains": ["float_carry"]}, "float_carry needs")]
     for options, match in cases:

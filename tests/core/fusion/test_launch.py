@@ -140,4 +140,4 @@ def test_warm_compiler_runs_once_and_never_under_the_interpreter(monkeypatch: py
     assert not any(t.is_alive() for t in threads)
     from triton.runtime.cache import triton_key
 
-    assert triton_key.cache_info().currsize == 1  # the key is computed and kept for the first compilation  # the key is computed and kept for the first compilation
+    assert triton_key.cache_info().currsize == 1  # the key is computed and kept for the first compilation

@@ -91,4 +91,5 @@ class SanaOptions(PluginOptions):
     kernel_compile: str = option("auto", choice(*KERNEL_COMPILE_MODES))
 
 
-__all__ = ["KERNEL_COMPILE_MODES", "SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_DEFAULT_CHAINS", "WAN_NAME", "SanaOptions", "WanOptions"]
+__all__ = ["KERNEL_COMPILE_MODES", "SANA_CHAINS", "SANA_NAME", "WAN_CHAINS", "WAN_DEFAULT_CHAINS", "WAN_NAME",
+           "SanaOptions", "WanOptions"]

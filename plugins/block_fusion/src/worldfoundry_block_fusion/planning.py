@@ -13,7 +13,6 @@ import torch.nn as nn
 
 from worldfoundry.core.acceleration.patching import patch_names
 from worldfoundry.core.fusion.launch import warm_compiler
-from worldfoundry_block_fusion.kernel_warmup import KernelWarmup
 from worldfoundry.core.fusion.triton_support import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.errors import AccelerationOptionsError, AccelerationRefusedError
 from worldfoundry.plugin import (
@@ -25,6 +24,7 @@ from worldfoundry.plugin import (
     refuse_module_hooks,
 )
 from worldfoundry_block_fusion.handle import BlockFusionHandle, FusionCounters
+from worldfoundry_block_fusion.kernel_warmup import KernelWarmup
 
 logger = logging.getLogger(__name__)
 
