@@ -19,7 +19,9 @@ import threading
 from typing import Any
 
 from worldfoundry.core.acceleration.context import current_request_id
+from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
 from worldfoundry.plugin import ExecutionLedger, PatchRecorder, RecordedHandle
+from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING
 
 
 #: Every chain name of both plugins, in the index order of :attr:`BlockCounts.counts`.
@@ -117,9 +119,6 @@ class BlockFusionHandle(RecordedHandle):
 
     def graph_call(self) -> Any:
         """Beside ``cuda_graph``: run eagerly while the kernels compile; key graphs by finished compilations."""
-        from worldfoundry.core.acceleration.cuda_graph.participants import GraphCall
-        from worldfoundry_block_fusion.kernel_warmup import REASON_COMPILING
-
         if self.kernels is None:
             return None
         if self.kernels.pending() or self.kernels.awaiting_first():
