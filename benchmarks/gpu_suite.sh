@@ -22,6 +22,10 @@ log="$out/gpu_suite.log"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
     || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+  for packed in .whl/*.tar.xz; do  # wheels benchmarks/gpu_carry.sh packed smaller (their installed layout)
+    [ -e "$packed" ] || continue
+    tar -xJf "$packed" -C .site || { echo "unpacking $packed failed" >&2; exit 1; }
+  done
   export PYTHONPATH="$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
 else
   echo "no .whl/ here: using the installed packages (run ../shared/gpu/prepare.sh on the host for the device)" >&2
