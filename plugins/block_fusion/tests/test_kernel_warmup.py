@@ -8,6 +8,7 @@ where they do not -- Triton's interpreter -- alike), so what runs while it is pe
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -81,6 +82,23 @@ def test_a_failed_background_compilation_is_logged_and_leaves_the_kernels_to_fir
         assert warmup.wait(30)
     assert warmup.generation == 0 and not warmup.pending()
     assert any("compile on first use" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.usefixtures("compiles_here")
+def test_a_forked_child_has_no_pending_compilation() -> None:
+    gate = Gate()
+    warmup = KernelWarmup("background", gate)
+    warmup.start(JOBS)
+    assert warmup.pending()
+    if hasattr(os, "fork"):  # the real thing: the child sees no pending compilation, the parent still does
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not warmup.pending() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0 and warmup.pending()
+    kernel_warmup._after_fork()  # what a forked child runs: the parent's compile thread does not exist there
+    assert not warmup.pending() and warmup.wait(0)
+    gate.open.set()
 
 
 def test_nothing_starts_without_jobs_or_where_nothing_compiles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,9 @@ later processes find them on disk (about 0.6 s). The option ``kernel_compile`` c
 * ``auto`` (default): the process default of
   :func:`~worldfoundry.core.fusion.compile_pool.default_compile_mode` (``background`` unless changed).
 
-Where nothing compiles (Triton's interpreter, no Triton, no CUDA) both modes are the same: nothing waits.
+Where nothing compiles (Triton's interpreter, no Triton, no CUDA) both modes are the same: nothing waits. A process
+forked while a compilation runs has no compile thread: nothing is pending there (its first fused calls compile
+what they need).
 
 Beside ``cuda_graph`` (:meth:`KernelWarmup.graph_key`): before the first block ran and while the kernels compile,
 a call runs eagerly (never captured); the number of finished background compilations is part of the captured
@@ -25,8 +27,10 @@ not replayed once they are.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -42,6 +46,21 @@ logger = logging.getLogger(__name__)
 REASON_COMPILING: Final = "kernels compiling in the background (the original forward runs meanwhile; same bits)"
 
 Jobs = Sequence[tuple[Any, tuple[Any, ...]]]
+
+#: Every live :class:`KernelWarmup` (a forked child has none of their compile threads: see :func:`_after_fork`).
+_INSTANCES: weakref.WeakSet[KernelWarmup] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a forked child: compilations the parent ran in the background never finish here, so none is pending
+    (the child's first fused calls compile what they need, as in ``blocking``)."""
+    for warmup in list(_INSTANCES):
+        warmup._thread = None
+        warmup._done.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def kernels_compile_here() -> bool:
@@ -76,6 +95,7 @@ class KernelWarmup:
         self.generation = 0
         #: seconds the last compilation took (``None`` before the first)
         self.seconds: float | None = None
+        _INSTANCES.add(self)
 
     def resolved_mode(self) -> str:
         """``background`` or ``blocking`` (``auto`` resolved to the process default)."""
