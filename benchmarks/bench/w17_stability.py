@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.core.model_loading.recipes import project_root
 
@@ -36,7 +37,7 @@ def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | N
         results = run_bench(BenchConfig(
             model=args.model, candidates=str(CANDIDATES), out=str(out / name), device="cuda", dtype="bf16",
             random_weights=True, rounds=3, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-            target_halfwidth=0.02, peers=peers, progress=False))
+            target_halfwidth=0.02, peers=peers, progress=False, host_hold_s=args.host_hold))
     except Exception:  # one failed run must not hide the other
         print(f"run {name} FAILED:\n{traceback.format_exc()}")
         return None
@@ -56,6 +57,8 @@ def main() -> int:
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
     p.add_argument("--time-budget", type=float, default=12.0)
     p.add_argument("--max-rounds", type=int, default=20)
+    p.add_argument("--host-hold", type=float, default=None,
+                   help="seconds each run may hold timed generations for a fast host phase (default: the bench's)")
     p.add_argument("--runs", default="a,b", help="which runs to make here: a (with peers), b, or a,b")
     p.add_argument("--previous", default=None, help="an earlier w17_stability.json whose runs are kept")
     p.add_argument("--no-peers", action="store_true", help="run A without the peer rows (both runs then time "
@@ -79,7 +82,8 @@ def main() -> int:
             summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
                                     "decision_threshold": res.get("decision_threshold"),
                                     "control_halfwidth": res["dense"]["control"].get("halfwidth"),
-                                    "wall_s": res["wall_s"], "host_speed": res.get("host_speed")}
+                                    "wall_s": res["wall_s"], "host_speed": res.get("host_speed"),
+                                    "host_gate": res.get("host_gate")}
             for c in res["candidates"]:
                 summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
     if a and peers:
@@ -104,6 +108,7 @@ def main() -> int:
         print(f"run {tag}: noise floor {run['noise_floor']:.4f} (goal <= 1.02), control half-width "
               f"{run['control_halfwidth']:.2%}, wall {run['wall_s']:.0f} s, noisy: {bool(run['noisy_host'])}")
         print(f"       host speed: {describe_host(run.get('host_speed'))}")
+        print(f"       host gate: {describe_gate(run.get('host_gate'))}")
     print(f"verdicts identical across runs: {same and len(summary['runs']) == 2}")
     return 0
 

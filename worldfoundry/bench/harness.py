@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -28,6 +29,7 @@ from worldfoundry.bench.provenance import (
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
 from worldfoundry.bench.floor import DenseFloorReference
+from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
@@ -83,6 +85,10 @@ class BenchConfig:
     target_halfwidth: float = 0.02
     max_rounds: int | None = None
     time_budget_s: float = 60.0
+    #: seconds a run may spend holding timed generations for a fast host phase (:mod:`~worldfoundry.bench.host_gate`);
+    #: ``None``: 60 on a GPU (host phases move a host-bound loop by up to 1.8x), 0 on the CPU (the whole
+    #: generation is host time there, and the default run should stay near a minute)
+    host_hold_s: float | None = None
     max_noise_floor: float = 1.05
     #: the smallest gain a ``recommended`` verdict asserts (its CI lower bound above ``1 + min_gain``); ``None``:
     #: the target half-width (a gain finer than the timing resolves is not called stable)
@@ -100,11 +106,15 @@ class DirtyTreeError(WorldFoundryError, RuntimeError):
 
 
 class _Runner:
-    def __init__(self, pipe: NativeDiffusionPipeline, workload: dict[str, Any], decode: bool) -> None:
+    def __init__(self, pipe: NativeDiffusionPipeline, workload: dict[str, Any], decode: bool,
+                 host_gate: HostGate | None = None) -> None:
         self.pipe = pipe
         self.workload = workload
         self.decode = decode
         self.counter = 0
+        self.host_gate = host_gate
+        #: seconds for timing budgets: the gate's clock leaves its waits out
+        self.clock: Callable[[], float] = host_gate.clock if host_gate is not None else time.perf_counter
 
     def request(self, seed: int, tag: str, *, decode: bool) -> DiffusionRequest:
         self.counter += 1
@@ -154,6 +164,9 @@ def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = N
         raise BenchArgumentError(f"rounds: between 3 and 10000 interleaved paired rounds are required, got {rounds}")
     if config.min_gain is not None and not 0.0 <= config.min_gain < 1.0:
         raise BenchArgumentError(f"--min-gain: expected a fraction in [0, 1) (0.02 = 2 %), got {config.min_gain}")
+    if config.host_hold_s is not None and not 0.0 <= config.host_hold_s <= 3600.0:
+        raise BenchArgumentError(f"--host-hold: expected 0 to 3600 seconds of waiting for a fast host phase "
+                                 f"(0 turns it off), got {config.host_hold_s}")
     return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds, unavailable)
 
 
@@ -219,7 +232,8 @@ def _inputs(candidates_path: str, config: BenchConfig, cfile: CandidateFile) -> 
 
 def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfig, model: str, seeds: list[int],
          rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry) -> dict[str, Any]:
-    runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None)
+    gate = None if config.quality_only else HostGate(budget_s=host_hold_s(config))
+    runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None, host_gate=gate)
     monitor = GpuSharingMonitor(policy.device)
     dense = {seed: runner.generate(seed, "dense-pilot", decode=True) for seed in seeds}
     results: dict[str, Any] = {
@@ -267,11 +281,23 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
     results["host_speed"] = host_speed_summary(run_probes(results))
+    results["host_gate"] = gate.to_json() if gate is not None else None
     if tpolicy.dense_reference is not None:
         results["dense"]["floor_reference_s"] = tpolicy.dense_reference.to_json()
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+#: The default ``host_hold_s`` on a GPU.
+GPU_HOST_HOLD_S = 60.0
+
+
+def host_hold_s(config: BenchConfig) -> float:
+    """The run's total budget for holding timed generations (see :attr:`BenchConfig.host_hold_s`)."""
+    if config.host_hold_s is not None:
+        return config.host_hold_s
+    return GPU_HOST_HOLD_S if str(config.device).startswith("cuda") else 0.0
 
 
 def _min_gain(config: BenchConfig) -> float:
@@ -317,7 +343,7 @@ def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], pol
     # one untimed generation through the timed path first: the pilots ran another output path, and the first
     # timed call pays one-off costs (event timers, allocator growth) that would widen the noise floor
     timed_generate(runner, seeds[0], "control-warmup")
-    return run_rounds(pair, control_policy(policy))
+    return run_rounds(pair, control_policy(policy), clock=runner.clock)
 
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
@@ -431,7 +457,7 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
         Arm(to_dense, lambda r, seed: timed("dense", r, seed), lambda seed: runner.generate(seed, "dense-warm")),
         Arm(to_candidate, lambda r, seed: timed("candidate", r, seed),
             lambda seed: runner.generate(seed, f"{cand.name}-warm")),
-        seeds, tpolicy, on_round=lambda: bar.update(1))
+        seeds, tpolicy, on_round=lambda: bar.update(1), clock=runner.clock)
     to_candidate()
     return speed, mismatches, state["session"]
 

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.bench.metrics import json_number
 
@@ -84,6 +85,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- GPU sharing during timing: {_sharing(results)}",
         f"- timing: {_timing_line(results)}",
         f"- host speed: {describe_host(results.get('host_speed'))}",
+        f"- host gate: {describe_gate(results.get('host_gate'))}",
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
         render_table(results),

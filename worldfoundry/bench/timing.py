@@ -23,7 +23,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   speedup above ``bound * (1 + tolerance)`` is ``invalid_timing``.
 * :func:`timed_generate` runs each timed request with Python's garbage collector paused (:func:`gc_paused`); the
   harness collects and freezes what exists once the model is loaded, so the collections between requests stay
-  short.
+  short. With a :class:`~worldfoundry.bench.host_gate.HostGate` on the runner, each timed request first waits
+  (bounded) for a fast phase of the host; budgets are then measured on the gate's clock, which leaves the waits
+  out.
 * :func:`noisy_host`: the dense-vs-dense control CI's upper bound above ``max_noise_floor`` (default 1.05) means
   the host is too noisy for any speed verdict.
 """
@@ -369,11 +371,14 @@ def gc_paused() -> Iterator[None]:
 
 def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[str, Any]]:
     """One latent-only request, the garbage collector paused and the host probed just before it
-    (:func:`~worldfoundry.bench.host_speed.probe_ms`); returns the result, the loop's device time and the
-    per-phase timings (with ``host_probe_ms``)."""
+    (:func:`~worldfoundry.bench.host_speed.probe_ms`, or the runner's ``host_gate``: a
+    :class:`~worldfoundry.bench.host_gate.HostGate` that first holds for a fast phase of the host); returns the
+    result, the loop's device time and the per-phase timings (with ``host_probe_ms``)."""
     den = runner.pipe.components.denoiser
+    gate = getattr(runner, "host_gate", None)
     with gc_paused():
-        probe = probe_ms()  # the host's speed right before the request, outside the timed region
+        # the host's speed right before the request, outside the timed region (a gate first waits for a fast phase)
+        probe = gate.wait() if gate is not None else probe_ms()
         with LoopTimer(den, runner.pipe.policy.device) as timer:
             result = runner.generate(seed, tag)
     seconds = timer.seconds if timer.seconds is not None else result.timings["denoise_s"]

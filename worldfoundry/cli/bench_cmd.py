@@ -53,6 +53,9 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rounds", type=int, default=None, help="never more paired rounds than this (default 4x)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="seconds of timing per candidate after which no rounds are added (default 60)")
+    p.add_argument("--host-hold", type=float, default=None, metavar="SECONDS",
+                   help="seconds a run may wait, in total, before timed generations for the host to leave a slow "
+                        "phase (default 60 on a GPU, 0 = off on the CPU)")
     p.add_argument("--max-noise-floor", type=float, default=1.05,
                    help="dense-vs-dense CI upper bound above which no speed verdicts are given (default 1.05)")
     p.add_argument("--min-gain", type=float, default=None,
@@ -129,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
         max_noise_floor=args.max_noise_floor, estimator=args.estimator, min_gain=args.min_gain,
-        peers=args.peers,
+        peers=args.peers, host_hold_s=args.host_hold,
     )
     try:
         results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))
