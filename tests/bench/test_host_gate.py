@@ -155,3 +155,13 @@ def test_a_bad_hold_is_refused_before_anything_is_built(tmp_path) -> None:
     with pytest.raises(BenchArgumentError, match="--host-hold: expected 0 to 3600 seconds"):
         plan_bench(BenchConfig(out=str(tmp_path / "out"), host_hold_s=-2.0))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_step_floor_times_every_candidate_at_least_four_rounds() -> None:
+    from worldfoundry.bench.floor import MIN_ROUNDS
+    from worldfoundry.bench.harness import _timing_policy
+
+    assert MIN_ROUNDS == 4
+    assert _timing_policy(BenchConfig(), 3, 1).min_rounds == 4
+    assert _timing_policy(BenchConfig(), 3, 3).min_rounds == 6  # two per seed
+    assert _timing_policy(BenchConfig(estimator="paired_median"), 3, 1).min_rounds == 3

@@ -39,7 +39,7 @@ def test_eager_and_first_block_cache_rows(tmp_path: Path) -> None:
     assert set(peers) == {"eager", "fbcache"}, results["peers"]
     for row in peers.values():
         assert row["verdict"] == "peer_reference", row.get("error")
-        assert row["speed"]["rounds"] == 3 and row["warmup_s"] >= 0.0
+        assert row["speed"]["rounds"] == 4 and row["warmup_s"] >= 0.0  # the step floor times 4 rounds at least
     assert peers["eager"]["latent_rel_l2"] == 0.0
     assert 0.0 <= peers["fbcache"]["latent_rel_l2"] < 1.0
     assert results["dense"]["stable_after_candidates"] is True

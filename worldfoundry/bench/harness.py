@@ -28,6 +28,7 @@ from worldfoundry.bench.provenance import (
     tree_stats,
 )
 from worldfoundry.bench.report import write_plots, write_report, write_results
+from worldfoundry.bench.floor import MIN_ROUNDS as FLOOR_MIN_ROUNDS
 from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
@@ -321,8 +322,9 @@ def _decision_policy(results: dict[str, Any], config: BenchConfig, tpolicy: Timi
 
 
 def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> TimingPolicy:
-    """The candidates' policy; with the step floor every seed is timed at least twice (its CI needs two rounds)."""
-    least = max(3, rounds, 2 * n_seeds if config.estimator == "step_floor" else 0)
+    """The candidates' policy; with the step floor every seed is timed at least twice (its CI needs two rounds) and
+    every candidate at least :data:`~worldfoundry.bench.floor.MIN_ROUNDS` times."""
+    least = max(3, rounds, max(2 * n_seeds, FLOOR_MIN_ROUNDS) if config.estimator == "step_floor" else 0)
     return TimingPolicy(min_rounds=least, max_rounds=max(least, config.max_rounds or 4 * rounds),
                         target_halfwidth=config.target_halfwidth, budget_s=config.time_budget_s,
                         estimator=config.estimator,
