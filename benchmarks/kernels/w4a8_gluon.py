@@ -9,7 +9,11 @@ For the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; K -> N = 1536 -> 8960
 3. ``table``: GEMM-only times of bf16 ``F.linear``, FP8 ``torch._scaled_mm`` (rowwise scales, fast accumulation),
    ``torch._int_mm`` (int8 -> int32), the Triton per-channel W4A8 GEMM (best of a few fixed tiles), the Gluon W8A8
    and W4A8 GEMMs at their best tiles, and the Gluon W4A8 GEMM with the fused rank-32 low-rank term and bias;
-   each checked against its reference on 376 rows (the first 256 and the last 120, which include the ragged tail).
+   each checked against its reference on 376 rows (the first 256 and the last 120, which include the ragged tail);
+4. ``persistent``: the persistent, warp-specialised W4A8 GEMM (:mod:`...w4a8_gluon_persistent`): a sweep of its
+   tiles (GEMM alone), then rows at the best tile alone and with the rank-32 low-rank term and bias, checked.
+
+``--kernels persistent`` runs only the bf16 / FP8 baselines and section 4 (a short device call).
 
 Timing: CUDA events around each launch, median of ``--reps`` (>= 20) after ``--warmup`` launches; the L2 cache is
 *not* flushed between launches (weights of these shapes fit the 50 MB L2; activations and outputs do not).
@@ -19,6 +23,7 @@ Usage::
 
     python benchmarks/kernels/w4a8_gluon.py --out "$OUT"            # H200, about 1-2 minutes
     python benchmarks/kernels/w4a8_gluon.py --smoke-only            # compile + correctness only
+    python benchmarks/kernels/w4a8_gluon.py --kernels persistent    # the persistent kernel and baselines only
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import (
     gluon_w8a8_gemm,
     w4a8_reference,
 )
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import PersistentTile, gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight, int4_gemm_reference
 
@@ -61,6 +67,9 @@ W4A8_SWEEP = [GluonTile(128, 256, 128, 3, 8), GluonTile(128, 128, 128, 3, 8), Gl
               GluonTile(128, 128, 128, 3, 8, unpack=0), GluonTile(128, 128, 128, 4, 4),
               GluonTile(128, 256, 128, 3, 8, epi_tma=False), GluonTile(128, 128, 128, 3, 8, pack_vec=16),
               GluonTile(128, 128, 256, 2, 8), GluonTile(128, 128, 64, 5, 8)]
+PERSISTENT_SWEEP = [PersistentTile(), PersistentTile(256, 128, 128, 4, 8), PersistentTile(128, 128, 128, 4, 8),
+                    PersistentTile(64, 256, 128, 4, 4), PersistentTile(128, 256, 64, 8, 8),
+                    PersistentTile(128, 256, 128, 4, 8, group_t=1), PersistentTile(128, 256, 128, 4, 8, unpack=0)]
 
 
 def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
@@ -231,15 +240,17 @@ def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
 
 
-def baseline_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    """bf16, FP8, ``_int_mm`` and the Triton per-channel GEMM rows of one shape."""
+def baseline_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namespace, with_triton: bool = True
+                  ) -> dict[str, Any]:
+    """bf16, FP8, ``_int_mm`` and (``with_triton``) the Triton per-channel GEMM rows of one shape."""
     fns = baselines(o, args)
     checks = guarded(lambda: baseline_checks(o, rows))
     out = {}
     for name, fn in fns.items():
         out[name] = guarded(lambda f=fn: {"ms": time_ms(f, args.warmup, args.reps)})
         out[name]["correct"] = checks.get(name, checks)
-    out["triton_w4a8_channel"] = guarded(lambda: triton_channel(o, rows, args))
+    if with_triton:
+        out["triton_w4a8_channel"] = guarded(lambda: triton_channel(o, rows, args))
     return out
 
 
@@ -260,35 +271,95 @@ def gluon_rows(o: dict[str, Any], rows: torch.Tensor, best: dict[str, GluonTile]
     return out
 
 
+def persistent_checks(o: dict[str, Any], rows: torch.Tensor, tile: PersistentTile, lr_tile: PersistentTile
+                      ) -> dict[str, Any]:
+    """The persistent W4A8 GEMM against its references on ``rows`` (bitwise alone; tolerance with low-rank + bias)."""
+    q, s = o["q"], o["s"]
+    out = {"gluon_w4a8_persistent": compare(gluon_w4a8_persistent_gemm(q, s, o["w4"], tile=tile)[rows],
+                                            int4_gemm_reference(q[rows], s[rows], o["w4"]), True)}
+    ref = w4a8_reference(q[rows], s[rows], o["w4lr"], o["t"][rows], o["bias"])
+    got = gluon_w4a8_persistent_gemm(q, s, o["w4lr"], o["t"], o["bias"], tile=lr_tile)[rows]
+    out["gluon_w4a8_persistent_lowrank_bias"] = compare(got, ref, False)
+    return out
+
+
+def persistent_smoke(report: dict[str, Any]) -> None:
+    """The persistent kernel at small ragged shapes, every sweep tile that takes the rank-32 term."""
+    for m, k, n in ((1000, 512, 384), (77, 256, 136)):
+        o = make_operands(m, k, n, seed=2)
+        rows = torch.arange(m).cuda()
+        for tile in PERSISTENT_SWEEP:
+            name = f"persistent_{m}x{k}x{n}_" + "_".join(str(v) for v in tile.to_json().values())
+            lr_tile = tile if tile.max_rank() >= RANK else PERSISTENT_SWEEP[0]
+            report["smoke"][name] = guarded(lambda t=tile, lt=lr_tile: persistent_checks(o, rows, t, lt))
+            print(f"smoke {name} ({time.monotonic() - T0:.0f} s)", json.dumps(report["smoke"][name]), flush=True)
+
+
+def persistent_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namespace, deadline: float
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sweep of the persistent tiles (GEMM alone), then its rows alone and with low-rank + bias at the best tiles."""
+    q, s = o["q"], o["s"]
+    timed = []
+    for tile in PERSISTENT_SWEEP:
+        row: dict[str, Any] = {"tile": tile.to_json()}
+        if time.monotonic() > deadline:
+            row["skipped"] = "time budget"
+        else:
+            row.update(guarded(lambda t=tile: {"ms": time_ms(lambda: gluon_w4a8_persistent_gemm(q, s, o["w4"], tile=t),
+                                                             args.warmup, args.reps)}))
+        timed.append(row)
+    ok = sorted((r for r in timed if "ms" in r), key=lambda r: r["ms"])
+    if not ok:
+        return {}, {"tiles": timed, "best": None}
+    best = PersistentTile(**ok[0]["tile"])
+    lr_tiles = [PersistentTile(**r["tile"]) for r in ok if PersistentTile(**r["tile"]).max_rank() >= RANK][:2]
+    lr_times = [(time_ms(lambda t=t: gluon_w4a8_persistent_gemm(q, s, o["w4lr"], o["t"], o["bias"], tile=t),
+                         args.warmup, args.reps), t) for t in lr_tiles]
+    lr_ms, lr_tile = min(lr_times, key=lambda r: r[0]) if lr_times else (None, PERSISTENT_SWEEP[0])
+    checks = guarded(lambda: persistent_checks(o, rows, best, lr_tile))
+    out = {"gluon_w4a8_persistent": {"ms": ok[0]["ms"], "tile": best.to_json(),
+                                     "correct": checks.get("gluon_w4a8_persistent", checks)},
+           "gluon_w4a8_persistent_lowrank_bias": {"ms": lr_ms, "tile": lr_tile.to_json(),
+                                                  "lowrank_tiles_timed": [[ms, t.to_json()] for ms, t in lr_times],
+                                                  "correct": checks.get("gluon_w4a8_persistent_lowrank_bias", checks)}}
+    return out, {"tiles": timed, "best": ok[0]}
+
+
 def shape_section(k: int, n: int, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Baselines, Gluon sweep, then the Gluon rows with correctness, for one ``K -> N``."""
     o = make_operands(M_TOKENS, k, n)
     rows = check_rows(M_TOKENS)
     section: dict[str, Any] = {"M": M_TOKENS, "K": k, "N": n}
-    section["rows"] = baseline_rows(o, rows, args)
+    persistent_only = args.kernels == "persistent"
+    section["rows"] = baseline_rows(o, rows, args, with_triton=not persistent_only)
     print(f"{k}->{n}: baselines done at {time.monotonic() - T0:.0f} s", flush=True)
-    section["sweep"] = sweep(o, args, deadline)
-    print(f"{k}->{n}: sweep done at {time.monotonic() - T0:.0f} s", flush=True)
-    best = {name: GluonTile(**entry["best"]["tile"]) for name, entry in section["sweep"].items() if entry["best"]}
-    section["rows"].update(gluon_rows(o, rows, best, args))
+    section["sweep"] = {}
+    if not persistent_only:
+        section["sweep"] = sweep(o, args, deadline)
+        print(f"{k}->{n}: sweep done at {time.monotonic() - T0:.0f} s", flush=True)
+        best = {name: GluonTile(**entry["best"]["tile"]) for name, entry in section["sweep"].items() if entry["best"]}
+        section["rows"].update(gluon_rows(o, rows, best, args))
+    prow, section["sweep"]["gluon_w4a8_persistent"] = persistent_rows(o, rows, args, deadline)
+    section["rows"].update(prow)
+    print(f"{k}->{n}: persistent done at {time.monotonic() - T0:.0f} s", flush=True)
     bf16 = section["rows"]["bf16_linear"].get("ms")
     for row in section["rows"].values():
-        if bf16 and "ms" in row:
+        if bf16 and row.get("ms"):
             row["speedup_vs_bf16"] = bf16 / row["ms"]
     return section
 
 
 def print_table(report: dict[str, Any]) -> None:
     """One line per kernel and shape."""
-    print(f"{'shape':>12} {'kernel':<26} {'ms':>8} {'x bf16':>7} ok  tile/config")
+    print(f"{'shape':>12} {'kernel':<36} {'ms':>8} {'x bf16':>7} ok  tile/config")
     for key, section in report["shapes"].items():
         for name, row in section.get("rows", {}).items():
             ok = row.get("correct", {}).get("ok")
             cfg = row.get("tile") or row.get("config") or ""
-            if "ms" not in row:
-                print(f"{key:>12} {name:<26} {row.get('error', '?')[:80]}")
+            if not row.get("ms"):
+                print(f"{key:>12} {name:<36} {row.get('error', '?')[:80]}")
                 continue
-            print(f"{key:>12} {name:<26} {row['ms']:8.3f} {row.get('speedup_vs_bf16', 0):7.2f} {ok!s:<3} {cfg}")
+            print(f"{key:>12} {name:<36} {row['ms']:8.3f} {row.get('speedup_vs_bf16', 0):7.2f} {ok!s:<3} {cfg}")
 
 
 def main() -> None:
@@ -298,6 +369,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget", type=float, default=110.0, help="seconds after which the sweep skips tiles")
     parser.add_argument("--smoke-only", action="store_true")
+    parser.add_argument("--kernels", choices=("all", "persistent"), default="all",
+                        help="'persistent': only the persistent W4A8 kernel (smoke, sweep, rows) and the baselines")
     args = parser.parse_args()
     args.reps = max(args.reps, 20)
     deadline = time.monotonic() + args.budget
@@ -315,7 +388,9 @@ def main() -> None:
     def save() -> None:
         (out / "w4a8_gluon.json").write_text(json.dumps(report, indent=1, default=str))
 
-    smoke(report)
+    if args.kernels == "all":
+        smoke(report)
+    persistent_smoke(report)
     save()
     start = time.monotonic()
     for i, (k, n) in enumerate([] if args.smoke_only else SHAPES):

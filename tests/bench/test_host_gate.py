@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worldfoundry.base_models.diffusion_model.runner import BETWEEN_STEPS
 from worldfoundry.bench.harness import BenchConfig, host_hold_s, plan_bench
 from worldfoundry.bench.host_gate import CALIBRATION_PROBES, POLL_S, PROBES_PER_CHECK, HostGate, describe
 from worldfoundry.bench.timing import timed_generate
@@ -115,6 +117,8 @@ def test_timed_generate_goes_through_the_runner_gate() -> None:
     calls = []
 
     class Gate:
+        budget_s = 60.0
+
         def wait(self) -> float:
             calls.append("wait")
             return 1.25
@@ -130,9 +134,12 @@ def test_timed_generate_goes_through_the_runner_gate() -> None:
 
     def generate(seed: int, tag: str):
         den.prepare_request_schedule()
+        hook = BETWEEN_STEPS.get()  # the runner calls it before each step
+        hook()
+        time.sleep(0.02)
         den.end_request()
         calls.append(("generate", seed, tag))
-        return SimpleNamespace(timings={"denoise_s": 0.5, "steps_s": [0.25, 0.25]})
+        return SimpleNamespace(timings={"denoise_s": 0.5, "steps_s": [0.25, 0.25], "between_steps_s": 0.015})
 
     import torch
 
@@ -140,8 +147,15 @@ def test_timed_generate_goes_through_the_runner_gate() -> None:
                                                   policy=SimpleNamespace(device=torch.device("cpu"))),
                              generate=generate, host_gate=Gate())
     _, seconds, phases = timed_generate(runner, 42, "x")
-    assert calls == ["wait", ("generate", 42, "x")]
-    assert phases["host_probe_ms"] == 1.25 and seconds >= 0.0
+    assert calls == ["wait", "wait", ("generate", 42, "x")]
+    assert phases["host_probe_ms"] == 1.25
+    assert 0.02 - 0.015 <= seconds < 0.02  # the loop's time without the waits between steps
+    assert BETWEEN_STEPS.get() is None  # reset after the generation
+    Gate.budget_s = 0.0  # a gate without budget probes before the generation but never between steps
+    calls.clear()
+    with pytest.raises(TypeError):
+        timed_generate(runner, 42, "x")  # the fake calls the hook unconditionally: None is not callable
+    assert calls == ["wait"] and BETWEEN_STEPS.get() is None
 
 
 def test_default_hold_is_on_for_gpus_and_off_for_the_cpu() -> None:

@@ -6,12 +6,13 @@ by up to that factor, and a pair whose arms fall in different phases is biased b
 bursts that cover a few steps, not a phase that covers whole generations.
 
 :class:`HostGate` probes the interpreter (:func:`~worldfoundry.bench.host_speed.probe_ms`, the median of
-:data:`PROBES_PER_CHECK` probes) right before each timed generation. When the probe is more than ``tolerance``
-above the fastest probe of the run, the gate sleeps in short steps and probes again, for at most ``max_wait_s``
-per generation and ``budget_s`` in the whole run; then the generation is timed either way (``gave_up`` counts
-those timed while the host was still slow). Both arms of every pair go through the same gate, so it favours
-neither; waiting is outside the timed region and, through :meth:`HostGate.clock`, outside every candidate's
-timing budget.
+:data:`PROBES_PER_CHECK` probes) right before each timed generation and, when its budget is not 0, before each of
+its denoising steps (every step ends synchronized, so a wait between steps leaves the GPU idle and is taken out of
+the loop's time). When a check is more than ``tolerance`` above the fastest check of the run, the gate sleeps in
+short steps and checks again, for at most ``max_wait_s`` per check and ``budget_s`` in the whole run; then the
+step or generation runs either way (``gave_up`` counts those). Both arms of every pair go through the same gate, so
+it favours neither; waiting is outside the timed region and, through :meth:`HostGate.clock`, outside every
+candidate's timing budget.
 
 Example::
 
@@ -114,9 +115,9 @@ def describe(gate: dict[str, Any] | None) -> str:
         return "off (generations timed whatever the host's speed)"
     if gate["budget_s"] <= 0:
         return "off (--host-hold 0)"
-    return (f"{gate['held']} of {gate['checks']} timed generations held for a fast host phase "
-            f"(probe > {1 + gate['tolerance']:.2f}x the fastest), {gate['waited_s']:.1f} s waited of "
-            f"{gate['budget_s']:.0f} s allowed; {gate['gave_up']} timed while still slow")
+    return (f"{gate['held']} of {gate['checks']} checks (before each timed generation and each of its steps) held "
+            f"for a fast host phase (probe > {1 + gate['tolerance']:.2f}x the fastest), {gate['waited_s']:.1f} s "
+            f"waited of {gate['budget_s']:.0f} s allowed; {gate['gave_up']} timed while still slow")
 
 
 __all__ = ["CALIBRATION_PROBES", "POLL_S", "PROBES_PER_CHECK", "HostGate", "describe"]

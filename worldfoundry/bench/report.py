@@ -100,29 +100,33 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         "",
     ]
     for c in results["candidates"]:
-        details = []
-        if c.get("error"):
-            details.append(f"  - error: {c['error']}")
-        missing = c.get("missing", [])
-        for item in missing[:10]:
-            details.append(f"  - not executed: {item}")
-        if len(missing) > 10:
-            details.append(f"  - … and {len(missing) - 10} more not executed (all in results.json)")
-        if c.get("timing_invalid"):
-            details.append(f"  - invalid timing: {c['timing_invalid']}")
-        if c.get("fallbacks"):
-            details.append(f"  - dense fallbacks: {json.dumps(c['fallbacks'])}")
-        if c.get("skipped"):
-            details.append(f"  - skipped work: {json.dumps(c['skipped'])}")
-        if c.get("timing_mismatch"):
-            details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
-        if c.get("notes"):
-            details.append(f"  - notes: {c['notes']}")
-        if details:
-            lines += [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details]
+        lines += _candidate_details(c)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _candidate_details(c: dict[str, Any]) -> list[str]:
+    """The report's lines under one candidate: errors, what did not run, fallbacks, skips, notes."""
+    details = []
+    if c.get("error"):
+        details.append(f"  - error: {c['error']}")
+    missing = c.get("missing", [])
+    for item in missing[:10]:
+        details.append(f"  - not executed: {item}")
+    if len(missing) > 10:
+        details.append(f"  - … and {len(missing) - 10} more not executed (all in results.json)")
+    if c.get("timing_invalid"):
+        details.append(f"  - invalid timing: {c['timing_invalid']}")
+    if c.get("fallbacks"):
+        details.append(f"  - dense fallbacks: {json.dumps(c['fallbacks'])}")
+    if c.get("skipped"):
+        details.append(f"  - skipped work: {json.dumps(c['skipped'])}")
+    if c.get("timing_mismatch"):
+        details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
+    if c.get("notes"):
+        details.append(f"  - notes: {c['notes']}")
+    return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
 
 
 def _sharing(results: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from worldfoundry.base_models.diffusion_model.runner import BETWEEN_STEPS
 from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.host_speed import host_split, probe_ms
 from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
@@ -372,16 +373,25 @@ def gc_paused() -> Iterator[None]:
 def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[str, Any]]:
     """One latent-only request, the garbage collector paused and the host probed just before it
     (:func:`~worldfoundry.bench.host_speed.probe_ms`, or the runner's ``host_gate``: a
-    :class:`~worldfoundry.bench.host_gate.HostGate` that first holds for a fast phase of the host); returns the
-    result, the loop's device time and the per-phase timings (with ``host_probe_ms``)."""
+    :class:`~worldfoundry.bench.host_gate.HostGate` that first holds for a fast phase of the host, and, when its
+    budget is not 0, holds again before every step of the loop through
+    :data:`~worldfoundry.base_models.diffusion_model.runner.BETWEEN_STEPS`: each step ends synchronized, so the
+    GPU is idle while it waits and the waits are taken out of the loop's time); returns the result, the loop's
+    device time and the per-phase timings (with ``host_probe_ms``)."""
     den = runner.pipe.components.denoiser
     gate = getattr(runner, "host_gate", None)
+    holding = gate is not None and gate.budget_s > 0
     with gc_paused():
         # the host's speed right before the request, outside the timed region (a gate first waits for a fast phase)
         probe = gate.wait() if gate is not None else probe_ms()
-        with LoopTimer(den, runner.pipe.policy.device) as timer:
-            result = runner.generate(seed, tag)
-    seconds = timer.seconds if timer.seconds is not None else result.timings["denoise_s"]
+        token = BETWEEN_STEPS.set(gate.wait if holding else None)  # and again before every step
+        try:
+            with LoopTimer(den, runner.pipe.policy.device) as timer:
+                result = runner.generate(seed, tag)
+        finally:
+            BETWEEN_STEPS.reset(token)
+    between = float(result.timings.get("between_steps_s") or 0.0)  # the waits: after a step's sync, GPU idle
+    seconds = timer.seconds - between if timer.seconds is not None else result.timings["denoise_s"]
     phases = {"denoise_event_s": seconds, "encode_s": result.timings.get("encode_s"),
               "steps_s": list(result.timings.get("steps_s", [])), "host_probe_ms": probe}
     return result, seconds, phases

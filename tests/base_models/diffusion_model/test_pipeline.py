@@ -188,3 +188,31 @@ def test_mp4_output(tmp_path) -> None:
     assert frames.shape == (9, 32, 32, 3)
     # lossy codec: close to the decoded frames, not equal
     assert np.abs(frames.astype(np.int16) - result.frames.astype(np.int16)).mean() < 40
+
+
+def test_the_between_steps_hook_runs_before_every_step_outside_the_loop_time() -> None:
+    import time
+
+    from worldfoundry.base_models.diffusion_model.runner import BETWEEN_STEPS
+
+    calls: list[float] = []
+
+    def hold() -> None:
+        calls.append(time.perf_counter())
+        time.sleep(0.05)
+
+    with NativeDiffusionPipeline.from_pretrained("tiny-wan2.1", policy=RuntimePolicy()) as pipe:
+        request = DiffusionRequest(prompt="a red square moving left", seed=7, output_type="latent")
+        plain = pipe.generate(request)
+        token = BETWEEN_STEPS.set(hold)
+        try:
+            held = pipe.generate(request)
+        finally:
+            BETWEEN_STEPS.reset(token)
+        after = pipe.generate(request)
+    assert len(calls) == len(held.timings["steps_s"]) == 4
+    assert held.timings["between_steps_s"] >= 4 * 0.05
+    assert held.timings["denoise_s"] < held.timings["between_steps_s"] + sum(held.timings["steps_s"])
+    assert max(held.timings["steps_s"]) < 0.05 + min(plain.timings["steps_s"]) * 10  # steps exclude the holds
+    assert torch.equal(held.latents, plain.latents)  # waiting between steps changes nothing computed
+    assert "between_steps_s" not in plain.timings and "between_steps_s" not in after.timings

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,29 @@ class RunOutput:
     prepared: PreparedInputs
     schedule: dict[str, Any]
     timings: dict[str, Any] = field(default_factory=dict)
+
+
+#: A callable the loop runs before every step, outside the step's time and outside ``denoise_s`` (the bench's host
+#: gate: :mod:`worldfoundry.bench.host_gate`); its total time is recorded as ``timings["between_steps_s"]``.
+BETWEEN_STEPS: ContextVar[Callable[[], Any] | None] = ContextVar("worldfoundry_between_steps", default=None)
+
+
+class _Between:
+    """Runs :data:`BETWEEN_STEPS`'s callable (if any) and adds up the seconds it took."""
+
+    def __init__(self) -> None:
+        self.hook = BETWEEN_STEPS.get()
+        self.seconds = 0.0
+
+    def __call__(self) -> None:
+        if self.hook is not None:
+            start = time.perf_counter()
+            self.hook()
+            self.seconds += time.perf_counter() - start
+
+    def record(self, timings: dict[str, Any]) -> None:
+        if self.hook is not None:
+            timings["between_steps_s"] = self.seconds
 
 
 def _sync(device: torch.device) -> None:
@@ -69,8 +94,7 @@ class NativeRunner:
         if request.num_inference_steps is None or request.request_id is None:
             raise InvalidRequestError("run() needs a request with defaults applied (num_inference_steps, request_id)")
         self.driver.validate(request)
-        rid = request.request_id
-        steps = request.num_inference_steps
+        rid, steps = request.request_id, request.num_inference_steps
         cfg = request.guidance_scale is not None and request.guidance_scale > 1.0
         t_start = time.perf_counter()
         scheduler = fresh_scheduler(self.scheduler, request.flow_shift)
@@ -94,8 +118,9 @@ class NativeRunner:
             self.denoiser.prepare_request_schedule(rid, schedule)
             latents = prepared.latents
             branches = ["cond", "uncond"] if cfg else ["cond"]
-            t_loop = time.perf_counter()
+            t_loop, between = time.perf_counter(), _Between()
             for i, t in enumerate(tqdm(timesteps, total=steps, disable=not progress, desc=rid, leave=False)):
+                between()
                 t_step = time.perf_counter()
                 placement = schedule.locate(i)
                 scale = guidance_for(request, expert_order.index(placement.expert))
@@ -114,7 +139,8 @@ class NativeRunner:
                 latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
                 _sync(self.device)
                 timings["steps_s"].append(time.perf_counter() - t_step)
-            timings["denoise_s"] = time.perf_counter() - t_loop
+            timings["denoise_s"] = time.perf_counter() - t_loop - between.seconds
+            between.record(timings)
             completed = True
         finally:
             if completed:

@@ -168,8 +168,10 @@ def _check_lowrank(t: torch.Tensor | None, lora_up: torch.Tensor | None, m: int,
 
 def check_gluon_operands(q: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
                          t: torch.Tensor | None, lora_up: torch.Tensor | None, bias: torch.Tensor | None, *,
-                         int4: bool, tile: GluonTile) -> tuple[int, int, int, int]:
+                         int4: bool, tile: GluonTile | Any) -> tuple[int, int, int, int]:
     """``(M, N, K, rank)`` after checking every operand's dtype, shape, contiguity and device (no GPU needed).
+
+    ``tile`` is a :class:`GluonTile` or any configuration with ``block_k`` and ``smem_bytes(int4, rank)``.
 
     Raises:
         QuantizationInputError: naming the operand and what it must be.
@@ -197,7 +199,8 @@ def check_gluon_operands(q: torch.Tensor, scale: torch.Tensor, codes: torch.Tens
     return m, n, k, rank
 
 
-def _require_hopper(device: torch.device) -> None:
+def require_hopper(device: torch.device) -> None:
+    """Raise unless Gluon is importable, the interpreter is off and ``device`` is a Hopper (sm_90) GPU."""
     if not GLUON_AVAILABLE:
         raise QuantizationInputError("Gluon GEMM: triton with triton.experimental.gluon is not importable")
     if interpreter_enabled():
@@ -206,7 +209,8 @@ def _require_hopper(device: torch.device) -> None:
         raise QuantizationInputError(f"Gluon GEMM: needs a Hopper (sm_90) CUDA device, got {device}")
 
 
-def _descriptor(x: torch.Tensor, block: list[int]) -> Any:
+def tma_descriptor(x: torch.Tensor, block: list[int]) -> Any:
+    """Host TMA descriptor of ``x`` (int8 or bfloat16) with a ``block`` box and the default NVMMA swizzle."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -219,11 +223,11 @@ def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: GluonTile, int4:
 
     q, scale, codes, w_scale, t, lora_up, bias = operands
     m, n, k, rank = dims
-    x_desc = _descriptor(q, [tile.block_m, tile.block_k])
-    w_desc = _descriptor(codes, [tile.block_n, tile.block_k // 2 if int4 else tile.block_k])
-    out_desc = _descriptor(out, [tile.block_m, tile.block_n]) if tile.epi_tma else None
-    t_desc = _descriptor(t, [tile.block_m, rank]) if rank else None
-    u_desc = _descriptor(lora_up, [tile.block_n, rank]) if rank else None
+    x_desc = tma_descriptor(q, [tile.block_m, tile.block_k])
+    w_desc = tma_descriptor(codes, [tile.block_n, tile.block_k // 2 if int4 else tile.block_k])
+    out_desc = tma_descriptor(out, [tile.block_m, tile.block_n]) if tile.epi_tma else None
+    t_desc = tma_descriptor(t, [tile.block_m, rank]) if rank else None
+    u_desc = tma_descriptor(lora_up, [tile.block_n, rank]) if rank else None
     warps_m, warps_n = tile.warps_mn()
     grid = (-(-m // tile.block_m) * -(-n // tile.block_n),)
     int8_wgmma_gemm_kernel[grid](
@@ -237,7 +241,7 @@ def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: GluonTile, int4:
 def _run(operands: tuple[Any, ...], tile: GluonTile, int4: bool) -> torch.Tensor:
     q, scale, codes, w_scale, t, lora_up, bias = operands
     dims = check_gluon_operands(q, scale, codes, w_scale, t, lora_up, bias, int4=int4, tile=tile)
-    _require_hopper(q.device)
+    require_hopper(q.device)
     out = torch.empty((dims[0], dims[1]), dtype=torch.bfloat16, device=q.device)
     if dims[0]:
         _launch(operands, out, tile, int4, dims)
@@ -311,5 +315,6 @@ def w4a8_reference(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight,
     return gemm_reference(q, scale, codes, weight.scales, t, weight.lora_up if t is not None else None, bias)
 
 
-__all__ = ["DEFAULT_W4A8_TILE", "DEFAULT_W8A8_TILE", "GluonTile", "HOPPER_SMEM_BYTES", "check_gluon_operands",
-           "gemm_reference", "gluon_w4a8_gemm", "gluon_w8a8_gemm", "w4a8_reference"]
+__all__ = ["DEFAULT_W4A8_TILE", "DEFAULT_W8A8_TILE", "GluonTile", "HOPPER_SMEM_BYTES", "INT8_INSTR_N", "MAX_BOX",
+           "check_gluon_operands", "gemm_reference", "gluon_w4a8_gemm", "gluon_w8a8_gemm", "require_hopper",
+           "tma_descriptor", "w4a8_reference"]
