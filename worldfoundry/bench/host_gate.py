@@ -8,7 +8,8 @@ bursts that cover a few steps, not a phase that covers whole generations.
 :class:`HostGate` probes the interpreter (:func:`~worldfoundry.bench.host_speed.probe_ms`, the median of
 :data:`PROBES_PER_CHECK` probes) right before each timed generation and, when its budget is not 0, before each of
 its denoising steps (every step ends synchronized, so a wait between steps leaves the GPU idle and is taken out of
-the loop's time). When a check is more than ``tolerance`` above the fastest check of the run, the gate sleeps in
+the loop's time). When a check is more than ``tolerance`` above the run's reference (a low quantile of its recent
+checks: the fast phase), the gate sleeps in
 short steps and checks again, for at most ``max_wait_s`` per check and ``budget_s`` in the whole run; then the
 step or generation runs either way (``gave_up`` counts those). Both arms of every pair go through the same gate, so
 it favours neither; waiting is outside the timed region and, through :meth:`HostGate.clock`, outside every
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -34,8 +36,13 @@ from worldfoundry.bench.host_speed import SLOW_PHASE, probe_ms
 PROBES_PER_CHECK: Final = 3
 #: Seconds between checks while held.
 POLL_S: Final = 0.05
-#: Probes taken when the gate is made, to find the host's fast speed before the first generation.
-CALIBRATION_PROBES: Final = 20
+#: Checks taken when the gate is made, to find the host's fast speed before the first generation.
+CALIBRATION_CHECKS: Final = 7
+#: The reference speed is this quantile of the checks so far: a low one (the fast phase), not the single fastest
+#: check, which one lucky probe would set too low for the rest of the run.
+REFERENCE_QUANTILE: Final = 0.1
+#: Checks kept for the reference (the most recent ones).
+HISTORY: Final = 512
 
 
 class HostGate:
@@ -44,7 +51,7 @@ class HostGate:
     Args:
         budget_s: seconds of waiting allowed in the whole run (0 disables waiting; probes are still taken).
         max_wait_s: seconds of waiting allowed before one generation.
-        tolerance: a check this much slower than the fastest one seen is a slow phase (default: the run summary's
+        tolerance: a check this much slower than the reference (:attr:`reference_ms`) is a slow phase (default: the run summary's
             :data:`~worldfoundry.bench.host_speed.SLOW_PHASE`).
         probe: milliseconds of one probe (tests pass a fake).
         sleep, clock: ``time.sleep`` / ``time.perf_counter`` (tests pass fakes).
@@ -64,19 +71,27 @@ class HostGate:
             raise ValueError(f"host gate tolerance: must be > 0, got {tolerance}")
         self.budget_s, self.max_wait_s, self.tolerance = float(budget_s), float(max_wait_s), float(tolerance)
         self._probe, self._sleep, self._clock = probe, sleep, clock
-        self.fastest_ms = min(probe() for _ in range(CALIBRATION_PROBES))
+        self._history: deque[float] = deque(maxlen=HISTORY)
+        for _ in range(CALIBRATION_CHECKS):
+            self.check_ms()
         self.checks = self.held = self.gave_up = 0
         self.waited_s = 0.0
 
     def check_ms(self) -> float:
-        """One check: the median of :data:`PROBES_PER_CHECK` probes (the fastest seen is updated)."""
+        """One check: the median of :data:`PROBES_PER_CHECK` probes (kept for the reference)."""
         value = statistics.median(self._probe() for _ in range(PROBES_PER_CHECK))
-        self.fastest_ms = min(self.fastest_ms, value)
+        self._history.append(value)
         return value
 
+    @property
+    def reference_ms(self) -> float:
+        """The host's fast speed: the :data:`REFERENCE_QUANTILE` quantile of the recent checks."""
+        ordered = sorted(self._history)
+        return ordered[int(REFERENCE_QUANTILE * (len(ordered) - 1))]
+
     def slow(self, value_ms: float) -> bool:
-        """Whether a check of ``value_ms`` falls in a slow phase."""
-        return value_ms > self.fastest_ms * (1.0 + self.tolerance)
+        """Whether a check of ``value_ms`` falls in a slow phase (above the reference by more than the tolerance)."""
+        return value_ms > self.reference_ms * (1.0 + self.tolerance)
 
     def wait(self) -> float:
         """Hold until a check is fast, the per-generation wait or the run's budget is spent; returns the last
@@ -105,7 +120,7 @@ class HostGate:
     def to_json(self) -> dict[str, Any]:
         """What the gate did: checks, generations held, seconds waited, generations timed still slow."""
         return {"budget_s": self.budget_s, "max_wait_s": self.max_wait_s, "tolerance": self.tolerance,
-                "fastest_ms": self.fastest_ms, "checks": self.checks, "held": self.held,
+                "reference_ms": self.reference_ms, "checks": self.checks, "held": self.held,
                 "waited_s": self.waited_s, "gave_up": self.gave_up}
 
 
@@ -116,8 +131,8 @@ def describe(gate: dict[str, Any] | None) -> str:
     if gate["budget_s"] <= 0:
         return "off (--host-hold 0)"
     return (f"{gate['held']} of {gate['checks']} checks (before each timed generation and each of its steps) held "
-            f"for a fast host phase (probe > {1 + gate['tolerance']:.2f}x the fastest), {gate['waited_s']:.1f} s "
+            f"for a fast host phase (check > {1 + gate['tolerance']:.2f}x the run's 10th percentile), {gate['waited_s']:.1f} s "
             f"waited of {gate['budget_s']:.0f} s allowed; {gate['gave_up']} timed while still slow")
 
 
-__all__ = ["CALIBRATION_PROBES", "POLL_S", "PROBES_PER_CHECK", "HostGate", "describe"]
+__all__ = ["CALIBRATION_CHECKS", "HISTORY", "REFERENCE_QUANTILE", "POLL_S", "PROBES_PER_CHECK", "HostGate", "describe"]
