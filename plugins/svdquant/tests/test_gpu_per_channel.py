@@ -58,6 +58,21 @@ def test_per_channel_gemm_matches_the_reference_at_w81_ffn_shapes(k, n):
     assert float((y.float() - dense).norm() / dense.norm()) < 0.2
 
 
+@pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536), (256, 512)])
+def test_explicit_w4a8_runs_the_persistent_gluon_gemm_on_hopper(k, n):
+    g = torch.Generator(device="cuda").manual_seed(3 * k + n)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(2, 16380 if k > 256 else 150, k, generator=g, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+    sq = pad_rank(decompose(w, rank=32, group_size=0, svd="randomized"))
+    y, used = svdquant_linear(x, sq, b, backend="w4a8")
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert used.backend == ("w4a8_gluon" if hopper else "w4a8") and used.reason is None
+    assert y.shape == (*x.shape[:-1], n) and y.dtype == torch.bfloat16
+    ref = w4a8_linear_reference(x, sq, b).float()
+    assert (y.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
 def test_plugin_runs_a_per_channel_artifact_on_cuda(kit, tmp_path):
     model, artifact, reg, inputs, dense = kit.cuda_case(tmp_path, group_size=0, include=("blocks.*.ffn.2",))
     session = install_diffusion_accelerations(model, {"svdquant": {"artifact": str(artifact), "keep_original": "cpu"}},
@@ -69,7 +84,9 @@ def test_plugin_runs_a_per_channel_artifact_on_cuda(kit, tmp_path):
     targets = next(iter(session.handles("svdquant").values())).runtime.targets
     # per channel on Hopper: W4F8, unless its preparation refused these weights (then W4A8, reason counted)
     kinds = {p: ("w4a16" if not HOPPER else targets[p].backend) for p in paths}
-    assert record["modules"] == {p: {kinds[p]: 1} for p in paths} and record["fallbacks"] == {}
+    gluon = torch.cuda.get_device_capability()[0] == 9  # W4A8 on Hopper runs the persistent Gluon GEMM
+    ran = {p: ("w4a8_gluon" if kinds[p] == "w4a8" and gluon else kinds[p]) for p in paths}
+    assert record["modules"] == {p: {ran[p]: 1} for p in paths} and record["fallbacks"] == {}
     assert set(kinds.values()) <= ({"w4f8", "w4a8"} if HOPPER else {"w4a16"})
     assert float((out.float() - dense.float()).norm() / dense.float().norm()) < 0.05
     session.uninstall()

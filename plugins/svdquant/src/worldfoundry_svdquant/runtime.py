@@ -2,7 +2,8 @@
 
 Each selected Linear's forward is replaced by one that runs the SVDQuant Linear
 (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.svdquant_linear`) and records
-``executed(path, backend)`` with ``backend`` in ``("w4f8", "w4a8", "w4a16", "reference", "reference_w4f8")``; when the backend is not
+``executed(path, backend)`` with ``backend`` in ``("w4f8", "w4a8", "w4a8_gluon", "w4a16", "reference",
+"reference_w4f8")`` (``w4a8_gluon``: ``w4a8`` on a Hopper GPU with a per-channel artifact); when the backend is not
 the one asked for, the counter ``"backend_reason: <why>"`` says why (``"cpu device"`` on the CPU: the torch
 reference of the same W4A8 numerics runs). The original dense Linear runs only for inputs that need
 gradients or live on another device, recorded as ``fallback(path, reason)``; with ``keep_original: cpu``

@@ -132,3 +132,39 @@ def test_dispatch_runs_the_requested_kernel_under_the_interpreter_and_the_refere
     y_auto, auto = svdquant_linear(x, weight, None)
     assert auto.backend == "reference" and auto.reason == "cpu device"
     assert (y - y_auto).abs().max() <= 1e-5 * y_auto.abs().max()
+
+
+@pytest.mark.parametrize("outcome", ["runs", "refuses"])
+def test_w4a8_on_hopper_routes_per_channel_weights_to_the_gluon_gemm(monkeypatch, outcome):
+    """The dispatch logic (the Gluon kernel itself is tested on the GPU): per-channel weights on a Hopper device go
+    to the persistent Gluon GEMM, recorded as ``w4a8_gluon``; a refusal runs the Triton GEMM and names why."""
+    from worldfoundry.core.acceleration.kernels import svdquant_dispatch as dispatch
+
+    weight = _weight(32, 128, 8, 0, smooth=False)
+    x = torch.randn(5, 128)
+    q, s = quantize_rows_int8(x, weight.inv_smooth)
+    t = lowrank_down(x, weight)
+    calls = []
+    assert not dispatch._hopper(torch.device("cpu"))
+
+    def fake_gemm(*args, **kwargs):
+        calls.append(args)
+        if outcome == "refuses":
+            raise QuantizationInputError("gluon_w4a8_persistent_gemm: N = 30 must be a multiple of 8 (TMA store)")
+        return torch.ones(5, 32, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(dispatch, "_hopper", lambda device: True)
+    monkeypatch.setattr(dispatch, "GLUON_AVAILABLE", True)
+    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(dispatch, "gluon_w4a8_persistent_gemm", fake_gemm)
+    monkeypatch.setattr(dispatch, "triton_w4a8_gemm", lambda *a, **k: torch.zeros(5, 32, dtype=k["out_dtype"]))
+    out, used = dispatch._w4a8_gemm(q, s, weight, t, None, torch.float32, dispatch.BackendChoice("w4a8"))
+    assert len(calls) == 1 and out.dtype == torch.float32
+    if outcome == "runs":
+        assert used == dispatch.BackendChoice(dispatch.W4A8_GLUON) and torch.equal(out, torch.ones(5, 32))
+    else:
+        assert used.backend == "w4a8" and used.reason.startswith("gluon w4a8 refused: gluon_w4a8_persistent_gemm: N")
+        assert torch.equal(out, torch.zeros(5, 32))
+    grouped = _weight(32, 128, 8, 64, smooth=False)  # group-wise scales never go to the per-channel Gluon GEMM
+    _, used = dispatch._w4a8_gemm(q, s, grouped, t, None, torch.float32, dispatch.BackendChoice("w4a8", "kept"))
+    assert used == dispatch.BackendChoice("w4a8", "kept") and len(calls) == 1

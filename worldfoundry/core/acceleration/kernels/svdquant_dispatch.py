@@ -3,7 +3,10 @@
 * ``w4f8`` (Hopper, per-channel residual scales): FP8 activations and the INT4 codes widened to FP8, one
   ``torch._scaled_mm`` with the low-rank branch appended to the reduction
   (:mod:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm`); ``auto`` on sm_90+ for per-channel weights;
-* ``w4a8`` (Triton, INT8 tensor cores): ``auto`` on sm_90+ for group-wise scales (and where ``w4f8`` cannot run);
+* ``w4a8`` (INT8 tensor cores): ``auto`` on sm_90+ for group-wise scales (and where ``w4f8`` cannot run); per-channel
+  weights on a Hopper GPU run the persistent Gluon GEMM with asynchronous int8 ``wgmma``
+  (:mod:`~worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent`; recorded as ``w4a8_gluon``), everything
+  else the Triton one;
 * ``w4a16`` (Triton) on other CUDA GPUs; the torch reference of the W4A8 numerics elsewhere -- or, when ``w4f8``
   is asked for explicitly off CUDA, ``reference_w4f8``: the torch reference of the W4F8 numerics (FP8
   activations, the low-rank branch on the codes), so a CPU run shows what the GPU backend computes.
@@ -33,6 +36,8 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
 )
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAILABLE
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
@@ -47,6 +52,8 @@ from worldfoundry.errors import QuantizationInputError
 BACKENDS: Final = ("auto", "w4f8", "w4a8", "w4a16", "reference")
 #: Kind of a call that ran the torch reference of the W4F8 numerics (``w4f8`` asked for off CUDA).
 REFERENCE_W4F8: Final = "reference_w4f8"
+#: Kind of a ``w4a8`` call that ran the persistent Gluon GEMM (per-channel weights on a Hopper GPU).
+W4A8_GLUON: Final = "w4a8_gluon"
 #: Smallest capability ``auto`` runs W4A8 on (Hopper); INT8 tensor cores exist from sm_75/sm_80.
 W4A8_AUTO_CAPABILITY: Final = (9, 0)
 W4A8_MIN_CAPABILITY: Final = (8, 0)
@@ -66,8 +73,8 @@ FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """What ran: ``backend`` in ``("w4f8", "w4a8", "w4a16", "reference", "reference_w4f8")``, and why it is not the
-    requested one."""
+    """What ran: ``backend`` in ``("w4f8", "w4a8", "w4a8_gluon", "w4a16", "reference", "reference_w4f8")``, and why
+    it is not the requested one."""
 
     backend: str
     reason: str | None = None
@@ -91,6 +98,13 @@ def pad_rank(weight: SVDQuantWeight) -> SVDQuantWeight:
 @functools.lru_cache(maxsize=64)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def _hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (sm_90: ``wgmma``)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
 def choose_backend(device: torch.device, requested: str = "auto", group_size: int = PER_CHANNEL) -> BackendChoice:
@@ -192,10 +206,25 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         else:
             t = lowrank_down(x2d, weight)
             q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
-        out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=x.dtype)
+        out, choice = _w4a8_gemm(q, scale, weight, t, bias, x.dtype, choice)
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
+
+
+def _w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
+               bias: torch.Tensor | None, out_dtype: torch.dtype,
+               choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
+    """The W4A8 GEMM: the persistent Gluon kernel (asynchronous int8 ``wgmma``) for per-channel weights on a Hopper
+    GPU, else the Triton one; a Gluon refusal is named in the reason."""
+    reason = choice.reason
+    if weight.group_size == PER_CHANNEL and _hopper(q.device) and GLUON_AVAILABLE and not interpreter_enabled():
+        try:
+            out = gluon_w4a8_persistent_gemm(q, scale, weight, t, bias)
+            return out.to(out_dtype), BackendChoice(W4A8_GLUON, reason)
+        except QuantizationInputError as exc:  # not a Hopper GPU, or operands outside the kernel's shapes
+            reason = reason or f"gluon w4a8 refused: {exc}"
+    return triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=out_dtype), BackendChoice("w4a8", reason)
 
 
 def _w4f8(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, scaled: ScaledMMWeight | None,
@@ -224,6 +253,7 @@ __all__ = [
     "BACKENDS",
     "FUSED_QUANT_LOWRANK_MIN_K",
     "REFERENCE_W4F8",
+    "W4A8_GLUON",
     "BackendChoice",
     "choose_backend",
     "lowrank_down",
