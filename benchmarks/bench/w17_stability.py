@@ -110,6 +110,9 @@ def main() -> int:
         print(f"       host speed: {describe_host(run.get('host_speed'))}")
         print(f"       host gate: {describe_gate(run.get('host_gate'))}")
     print(f"verdicts identical across runs: {same and len(summary['runs']) == 2}")
+    widths = [float(row[2].split("%")[0]) / 100 for runs in summary["candidates"].values() for row in runs.values()
+              if row[2] != "-"]
+    print(f"candidate rows with a CI half-width <= 2%: {sum(w <= 0.02 for w in widths)} of {len(widths)}")
     return 0
 
 
