@@ -13,7 +13,12 @@ For the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; K -> N = 1536 -> 8960
 4. ``persistent``: the persistent, warp-specialised W4A8 GEMM (:mod:`...w4a8_gluon_persistent`): a sweep of its
    tiles (GEMM alone), then rows at the best tile alone and with the rank-32 low-rank term and bias, checked.
 
-``--kernels persistent`` runs only the bf16 / FP8 baselines and section 4 (a short device call).
+5. ``pingpong``: the ping-pong W4A8 GEMM (:mod:`...w4a8_gluon_pingpong`; compiled offline, first GPU run here):
+   smoke-checked at small ragged shapes, then timed (GEMM alone and with the rank-32 low-rank term and bias) at its
+   tiles beside the persistent kernel's default tile.
+
+``--kernels persistent`` runs only the bf16 / FP8 baselines and section 4 (a short device call);
+``--kernels pingpong`` only the baselines, the ping-pong smoke checks and section 5 (with the persistent rows).
 
 Timing: CUDA events around each launch, median of ``--reps`` (>= 20) after ``--warmup`` launches; the L2 cache is
 *not* flushed between launches (weights of these shapes fit the 50 MB L2; activations and outputs do not).
@@ -24,6 +29,7 @@ Usage::
     python benchmarks/kernels/w4a8_gluon.py --out "$OUT"            # H200, about 1-2 minutes
     python benchmarks/kernels/w4a8_gluon.py --smoke-only            # compile + correctness only
     python benchmarks/kernels/w4a8_gluon.py --kernels persistent    # the persistent kernel and baselines only
+    python benchmarks/kernels/w4a8_gluon.py --kernels pingpong      # ping-pong vs persistent, bf16, FP8
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import (
     gluon_w8a8_gemm,
     w4a8_reference,
 )
-from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import PersistentTile, gluon_w4a8_persistent_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import (
+    DEFAULT_PERSISTENT_TILE,
+    PersistentTile,
+    gluon_w4a8_persistent_gemm,
+)
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_pingpong import PingPongTile, gluon_w4a8_pingpong_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight, int4_gemm_reference
 
@@ -71,6 +82,8 @@ PERSISTENT_SWEEP = [PersistentTile(128, 256, 64, 8, 8, group_t=1), PersistentTil
                     PersistentTile(128, 256, 64, 6, 8, group_t=2), PersistentTile(128, 256, 128, 4, 8, group_t=1),
                     PersistentTile(256, 128, 64, 8, 8, group_t=1), PersistentTile(64, 256, 64, 8, 4, group_t=1),
                     PersistentTile(128, 256, 64, 8, 8, group_t=1, unpack=0)]
+PINGPONG_SWEEP = [PingPongTile(), PingPongTile(128, 128, 64, 6, group_t=1), PingPongTile(128, 128, 64, 6, group_t=8),
+                  PingPongTile(64, 256, 64, 4), PingPongTile(64, 128, 128, 4), PingPongTile(128, 128, 64, 6, unpack=0)]
 
 
 def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
@@ -325,15 +338,86 @@ def persistent_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namesp
     return out, {"tiles": timed, "best": ok[0]}
 
 
+def pingpong_smoke(report: dict[str, Any]) -> None:
+    """The ping-pong kernel at small ragged shapes (odd and even K-step counts), every sweep tile, both checks."""
+    for m, k, n in ((1000, 512, 384), (77, 384, 136), (129, 1536, 24)):
+        o = make_operands(m, k, n, seed=3)
+        rows = torch.arange(m).cuda()
+        for tile in PINGPONG_SWEEP:
+            name = f"pingpong_{m}x{k}x{n}_" + "_".join(str(v) for v in tile.to_json().values())
+            report["smoke"][name] = guarded(lambda t=tile: pingpong_checks(o, rows, t))
+            print(f"smoke {name} ({time.monotonic() - T0:.0f} s)", json.dumps(report["smoke"][name]), flush=True)
+
+
+def pingpong_checks(o: dict[str, Any], rows: torch.Tensor, tile: PingPongTile) -> dict[str, Any]:
+    """The ping-pong W4A8 GEMM against its references on ``rows`` (bitwise alone; tolerance with low-rank + bias)."""
+    q, s = o["q"], o["s"]
+    out = {"gluon_w4a8_pingpong": compare(gluon_w4a8_pingpong_gemm(q, s, o["w4"], tile=tile)[rows],
+                                          int4_gemm_reference(q[rows], s[rows], o["w4"]), True)}
+    ref = w4a8_reference(q[rows], s[rows], o["w4lr"], o["t"][rows], o["bias"])
+    got = gluon_w4a8_pingpong_gemm(q, s, o["w4lr"], o["t"], o["bias"], tile=tile)[rows]
+    out["gluon_w4a8_pingpong_lowrank_bias"] = compare(got, ref, False)
+    return out
+
+
+def pingpong_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namespace, deadline: float
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each ping-pong tile timed alone and with low-rank + bias; rows at the fastest of each, checked."""
+    q, s = o["q"], o["s"]
+    timed = []
+    for tile in PINGPONG_SWEEP:
+        row: dict[str, Any] = {"tile": tile.to_json()}
+        if time.monotonic() > deadline:
+            row["skipped"] = "time budget"
+        else:
+            row.update(guarded(lambda t=tile: {
+                "ms": time_ms(lambda: gluon_w4a8_pingpong_gemm(q, s, o["w4"], tile=t), args.warmup, args.reps),
+                "lowrank_bias_ms": time_ms(lambda: gluon_w4a8_pingpong_gemm(q, s, o["w4lr"], o["t"], o["bias"],
+                                                                            tile=t), args.warmup, args.reps)}))
+        timed.append(row)
+    ok = [r for r in timed if "ms" in r]
+    if not ok:
+        return {}, {"tiles": timed, "best": None}
+    best = min(ok, key=lambda r: r["ms"])
+    best_lr = min(ok, key=lambda r: r["lowrank_bias_ms"])
+    checks = guarded(lambda: {**pingpong_checks(o, rows, PingPongTile(**best["tile"])),
+                              "lr": pingpong_checks(o, rows, PingPongTile(**best_lr["tile"]))})
+    out = {"gluon_w4a8_pingpong": {"ms": best["ms"], "tile": best["tile"],
+                                   "correct": checks.get("gluon_w4a8_pingpong", checks)},
+           "gluon_w4a8_pingpong_lowrank_bias": {
+               "ms": best_lr["lowrank_bias_ms"], "tile": best_lr["tile"],
+               "correct": checks.get("lr", {}).get("gluon_w4a8_pingpong_lowrank_bias", checks)}}
+    return out, {"tiles": timed, "best": best}
+
+
+def persistent_default_rows(o: dict[str, Any], rows: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """The persistent kernel at its default tile, alone and with low-rank + bias (the ping-pong comparison)."""
+    q, s, tile = o["q"], o["s"], DEFAULT_PERSISTENT_TILE
+    checks = guarded(lambda: persistent_checks(o, rows, tile, tile))
+    out = {}
+    for name, fn in (("gluon_w4a8_persistent", lambda: gluon_w4a8_persistent_gemm(q, s, o["w4"], tile=tile)),
+                     ("gluon_w4a8_persistent_lowrank_bias",
+                      lambda: gluon_w4a8_persistent_gemm(q, s, o["w4lr"], o["t"], o["bias"], tile=tile))):
+        out[name] = guarded(lambda f=fn: {"ms": time_ms(f, args.warmup, args.reps)})
+        out[name].update(tile=tile.to_json(), correct=checks.get(name, checks))
+    return out
+
+
 def shape_section(k: int, n: int, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Baselines, Gluon sweep, then the Gluon rows with correctness, for one ``K -> N``."""
     o = make_operands(M_TOKENS, k, n)
     rows = check_rows(M_TOKENS)
     section: dict[str, Any] = {"M": M_TOKENS, "K": k, "N": n}
     persistent_only = args.kernels == "persistent"
-    section["rows"] = baseline_rows(o, rows, args, with_triton=not persistent_only)
+    section["rows"] = baseline_rows(o, rows, args, with_triton=args.kernels == "all")
     print(f"{k}->{n}: baselines done at {time.monotonic() - T0:.0f} s", flush=True)
     section["sweep"] = {}
+    if args.kernels == "pingpong":
+        section["rows"].update(persistent_default_rows(o, rows, args))
+        prow, section["sweep"]["gluon_w4a8_pingpong"] = pingpong_rows(o, rows, args, deadline)
+        section["rows"].update(prow)
+        print(f"{k}->{n}: ping-pong done at {time.monotonic() - T0:.0f} s", flush=True)
+        return _with_speedups(section)
     if not persistent_only:
         section["sweep"] = sweep(o, args, deadline)
         print(f"{k}->{n}: sweep done at {time.monotonic() - T0:.0f} s", flush=True)
@@ -342,6 +426,11 @@ def shape_section(k: int, n: int, args: argparse.Namespace, deadline: float) -> 
     prow, section["sweep"]["gluon_w4a8_persistent"] = persistent_rows(o, rows, args, deadline)
     section["rows"].update(prow)
     print(f"{k}->{n}: persistent done at {time.monotonic() - T0:.0f} s", flush=True)
+    return _with_speedups(section)
+
+
+def _with_speedups(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with ``speedup_vs_bf16`` on every timed row."""
     bf16 = section["rows"]["bf16_linear"].get("ms")
     for row in section["rows"].values():
         if bf16 and row.get("ms"):
@@ -369,8 +458,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget", type=float, default=110.0, help="seconds after which the sweep skips tiles")
     parser.add_argument("--smoke-only", action="store_true")
-    parser.add_argument("--kernels", choices=("all", "persistent"), default="all",
-                        help="'persistent': only the persistent W4A8 kernel (smoke, sweep, rows) and the baselines")
+    parser.add_argument("--kernels", choices=("all", "persistent", "pingpong"), default="all",
+                        help="'persistent': only the persistent W4A8 kernel (smoke, sweep, rows) and the baselines; "
+                             "'pingpong': the ping-pong kernel (smoke, tiles, rows), the persistent default tile and "
+                             "the bf16 / FP8 / int_mm baselines")
     args = parser.parse_args()
     args.reps = max(args.reps, 20)
     deadline = time.monotonic() + args.budget
@@ -390,7 +481,10 @@ def main() -> None:
 
     if args.kernels == "all":
         smoke(report)
-    persistent_smoke(report)
+    if args.kernels == "pingpong":
+        pingpong_smoke(report)
+    else:
+        persistent_smoke(report)
     save()
     start = time.monotonic()
     for i, (k, n) in enumerate([] if args.smoke_only else SHAPES):

@@ -47,8 +47,30 @@ from worldfoundry.errors import QuantizationInputError
 MAX_ACC_REGISTERS: Final = 128
 
 
+class TileShape:
+    """What the W4A8 tile configurations share (their fields ``block_t`` and ``block_k``): the ``wgmma`` width, the
+    low-rank chunk per ring slot, the JSON form."""
+
+    block_t: int
+    block_k: int
+
+    def instr_n(self) -> int:
+        """Widest int8 ``wgmma`` ``n`` dividing ``block_t``."""
+        return next(n for n in INT8_INSTR_N if self.block_t % n == 0)
+
+    def lowrank_chunk(self, rank: int) -> int:
+        """Low-rank columns per ring slot: the widest of 64, 32, 16 dividing ``rank`` whose ``U`` tile fits the
+        packed-weight buffer of one slot (``2 * chunk <= block_k / 2`` bytes per row; the ``t`` tile then fits too).
+        """
+        return next(c for c in (64, 32, 16) if rank % c == 0 and 4 * c <= self.block_k)
+
+    def to_json(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return asdict(self)
+
+
 @dataclass(frozen=True)
-class PersistentTile:
+class PersistentTile(TileShape):
     """One launch configuration of the persistent W4A8 GEMM (a tile is ``[block_w outputs, block_t tokens]``).
 
     Attributes:
@@ -73,25 +95,12 @@ class PersistentTile:
         if bad:
             raise QuantizationInputError(f"PersistentTile: {bad} ({self})")
 
-    def instr_n(self) -> int:
-        """Widest int8 ``wgmma`` ``n`` dividing ``block_t``."""
-        return next(n for n in INT8_INSTR_N if self.block_t % n == 0)
-
-    def lowrank_chunk(self, rank: int) -> int:
-        """Low-rank columns per ring slot: the widest of 64, 32, 16 dividing ``rank`` whose ``U`` tile fits the
-        packed-weight buffer of one slot (``2 * chunk <= block_k / 2`` bytes per row; the ``t`` tile then fits too).
-        """
-        return next(c for c in (64, 32, 16) if rank % c == 0 and 4 * c <= self.block_k)
-
     def smem_bytes(self, int4: bool = True, rank: int = 0) -> int:
         """Shared memory the kernel allocates (ring, output tile, barriers); the low-rank tiles reuse the ring."""
         w_k = self.block_k // 2 if int4 else self.block_k
         ring = self.stages * (self.block_t * self.block_k + self.block_w * w_k)
         return ring + 2 * self.block_t * self.block_w + 16 * self.stages
 
-    def to_json(self) -> dict[str, int]:
-        """The fields as a plain dict."""
-        return asdict(self)
 
 
 def _tile_problem(tile: PersistentTile) -> str:
@@ -189,5 +198,5 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
     return out
 
 
-__all__ = ["DEFAULT_PERSISTENT_TILE", "MAX_ACC_REGISTERS", "PersistentTile", "check_persistent_operands",
+__all__ = ["DEFAULT_PERSISTENT_TILE", "MAX_ACC_REGISTERS", "PersistentTile", "TileShape", "check_persistent_operands",
            "gluon_w4a8_persistent_gemm"]
