@@ -17,6 +17,13 @@ For the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; K -> N = 1536 -> 8960
    smoke-checked at small ragged shapes, then timed (GEMM alone and with the rank-32 low-rank term and bias) at its
    tiles beside the persistent kernel's default tile.
 
+6. ``linear`` (with ``--kernels pingpong``): the whole Linear as the ``svdquant`` plugin runs it -- per-token INT8
+   quantization of the bf16 input with smoothing, the rank-32 low-rank down projection, the W4A8 GEMM with the
+   low-rank up term and bias -- beside bf16 ``F.linear(x, w, bias)``: the quantizer alone, quantizer + low-rank in
+   one kernel, then each GEMM after it (persistent at its default tile, ping-pong at its fastest low-rank tile) and
+   ``svdquant_linear(backend="w4a8")`` itself (what the plugin calls). Operands are random (speed only; the
+   numerics are checked above and in the test suite).
+
 ``--kernels persistent`` runs only the bf16 / FP8 baselines and section 4 (a short device call);
 ``--kernels pingpong`` only the baselines, the ping-pong smoke checks and section 5 (with the persistent rows).
 
@@ -47,6 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worldfoundry.core.acceleration.kernels.int8_act_quant import triton_quantize_rows_int8
+from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
 from worldfoundry.core.acceleration.kernels.w4a8_channel_gemm import CHANNEL_CONFIGS
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import (
@@ -403,6 +413,42 @@ def persistent_default_rows(o: dict[str, Any], rows: torch.Tensor, args: argpars
     return out
 
 
+def linear_rows(o: dict[str, Any], args: argparse.Namespace, pingpong_tile: dict[str, Any] | None
+                ) -> dict[str, Any]:
+    """The whole W4A8 Linear (quantizer, low-rank down, GEMM with up term and bias) against bf16 with bias."""
+    x, k = o["x"], o["x"].shape[1]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    inv = (torch.rand(k, device="cuda", generator=g) + 0.5).float()
+    down = (torch.randn(RANK, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    w = SVDQuantWeight(o["w4lr"].qweight, o["w4lr"].scales, 0, inv_smooth=inv, lora_down=down,
+                       lora_up=o["up"])
+    qlr = lambda: triton_quantize_rows_int8_lowrank(x, inv, down)  # noqa: E731
+    tile = PingPongTile(**pingpong_tile) if pingpong_tile else PingPongTile()
+
+    def persistent() -> torch.Tensor:
+        q, s, t = qlr()
+        return gluon_w4a8_persistent_gemm(q, s, w, t, o["bias"])
+
+    def pingpong() -> torch.Tensor:
+        q, s, t = qlr()
+        return gluon_w4a8_pingpong_gemm(q, s, w, t, o["bias"], tile=tile)
+
+    fns = {"bf16_linear_bias": lambda: F.linear(x, o["w"], o["bias"]),
+           "int8_quant": lambda: triton_quantize_rows_int8(x, inv),
+           "int8_quant_lowrank_down": qlr,
+           "linear_quant_lowrank_persistent": persistent,
+           "linear_quant_lowrank_pingpong": pingpong,
+           "svdquant_linear_w4a8_dispatch": lambda: svdquant_linear(x, w, o["bias"], backend="w4a8",
+                                                                    fused_lowrank=True)[0]}
+    out = {name: guarded(lambda f=fn: {"ms": time_ms(f, args.warmup, args.reps)}) for name, fn in fns.items()}
+    out["linear_quant_lowrank_pingpong"]["tile"] = tile.to_json()
+    ref = out["bf16_linear_bias"].get("ms")
+    for row in out.values():
+        if ref and row.get("ms"):
+            row["speedup_vs_bf16_linear_bias"] = ref / row["ms"]
+    return out
+
+
 def shape_section(k: int, n: int, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Baselines, Gluon sweep, then the Gluon rows with correctness, for one ``K -> N``."""
     o = make_operands(M_TOKENS, k, n)
@@ -417,6 +463,9 @@ def shape_section(k: int, n: int, args: argparse.Namespace, deadline: float) -> 
         prow, section["sweep"]["gluon_w4a8_pingpong"] = pingpong_rows(o, rows, args, deadline)
         section["rows"].update(prow)
         print(f"{k}->{n}: ping-pong done at {time.monotonic() - T0:.0f} s", flush=True)
+        best_lr = prow.get("gluon_w4a8_pingpong_lowrank_bias", {}).get("tile")
+        section["linear"] = guarded(lambda: linear_rows(o, args, best_lr))
+        print(f"{k}->{n}: linear", json.dumps(section["linear"]), flush=True)
         return _with_speedups(section)
     if not persistent_only:
         section["sweep"] = sweep(o, args, deadline)
