@@ -19,14 +19,15 @@ pytestmark = pytest.mark.skipif(
     not (TRITON_AVAILABLE and interpreter_enabled()), reason="needs triton with TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("m,k,smooth", [(37, 256, True), (5, 200, False), (16, 1536, True)])
-def test_codes_bitwise_and_lowrank_within_one_ulp(m, k, smooth):
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("m,k,smooth", [(37, 256, True), (5, 200, False), (16, 1536, True), (19, 1100, True)])
+def test_codes_bitwise_and_lowrank_within_one_ulp(m, k, smooth, single):
     g = torch.Generator().manual_seed(m + k)
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
     x[1] = 0.0  # an all-zero row: codes 0, floor scale
     inv = (torch.rand(k, generator=g) + 0.5) if smooth else None
     down = (torch.randn(16, k, generator=g) * 0.1).to(torch.bfloat16)
-    q, s, t = triton_quantize_rows_int8_lowrank(x, inv, down)
+    q, s, t = triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=single)
     q_ref, s_ref = quantize_rows_int8(x, inv)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     t_ref = (x.float() @ down.float().t()).to(torch.bfloat16).float()
@@ -43,6 +44,15 @@ def test_w4a8_linear_through_the_fused_path(group):
     y, used = svdquant_linear(x, weight, b, backend="w4a8", fused_lowrank=True)
     ref = w4a8_linear_reference(x, weight, b).float()
     assert used.backend == "w4a8" and (y.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+def test_single_pass_limits_are_typed_errors():
+    down = torch.zeros(16, 128, dtype=torch.bfloat16)
+    with pytest.raises(QuantizationInputError, match="power-of-two block_m >= 16"):
+        triton_quantize_rows_int8_lowrank(torch.randn(4, 128), None, down, single_pass=True, block_m=8)
+    wide = torch.randn(2, 4160)
+    with pytest.raises(QuantizationInputError, match="rows up to 4096"):
+        triton_quantize_rows_int8_lowrank(wide, None, torch.zeros(16, 4160, dtype=torch.bfloat16), single_pass=True)
 
 
 def test_bad_operands_are_typed_errors():

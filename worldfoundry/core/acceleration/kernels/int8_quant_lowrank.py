@@ -7,6 +7,13 @@ For ``x [M, K]`` (rows contiguous), smoothing ``inv_smooth [K]`` and the low-ran
    cores) from the same loaded chunk;
 2. the codes ``clamp(round_half_even(x̂ * (127 / a)), -127, 127)`` (the second read mostly from L2).
 
+Rows of up to :data:`SINGLE_PASS_MAX_K` elements can instead be read **once** and kept in registers
+(``single_pass``): the row in at most three power-of-two pieces
+(:func:`~worldfoundry.core.acceleration.kernels.fp8_rowwise_quant.row_pieces`, ``1536 = 1024 + 512``), the row
+maximum and ``t`` from the loaded pieces, the codes from the same registers (the smoothed product recomputed,
+bitwise the same). Same bytes and the same ``t`` summation order per piece as the two-pass form up to the
+chunking of the float32 dot (tests state the tolerance).
+
 So ``x`` is read from DRAM once for both the quantizer and the low-rank branch, where
 :func:`~worldfoundry.core.acceleration.kernels.int8_act_quant.triton_quantize_rows_int8` followed by the separate
 low-rank GEMM (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.lowrank_down`) reads it three
@@ -21,12 +28,18 @@ from typing import Final
 
 import torch
 
+from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import row_pieces
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.errors import QuantizationInputError
 
 #: Rows per program and chunk width on CUDA (the benchmark times 16/32/64 rows).
 DEFAULT_BLOCK_M: Final = 32
 DEFAULT_BLOCK_K: Final = 256
+#: The single-pass form keeps ``BLOCK_M x K`` input elements in registers: rows up to this width.
+SINGLE_PASS_MAX_K: Final = 4096
+#: Rows per program of the single-pass form (``tl.dot`` needs at least 16) and its warps.
+SINGLE_PASS_BLOCK_M: Final = 16
+SINGLE_PASS_WARPS: Final = 4
 
 if TRITON_AVAILABLE:
     import triton
@@ -70,9 +83,68 @@ if TRITON_AVAILABLE:
         tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
 
 
+    @triton.jit
+    def _raw_piece(x_ptr, row_base, rmask, start, K, P: tl.constexpr):
+        """Columns ``start .. start + P`` of the rows as loaded (masked lanes 0), their mask and columns."""
+        cols = start + tl.arange(0, P)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        return tl.load(x_ptr + row_base[:, None] + cols[None, :], mask=mask, other=0.0), mask, cols
+
+    @triton.jit
+    def _smoothed(raw, inv_ptr, cols, K, HAS_SMOOTH: tl.constexpr):
+        """``float32(raw) * inv_smooth`` (the quantizer's operand; the same product every time it is formed)."""
+        xs = raw.to(tl.float32)
+        if HAS_SMOOTH:
+            xs = xs * tl.load(inv_ptr + cols, mask=cols < K, other=0.0)[None, :]
+        return xs
+
+    @triton.jit
+    def _piece_dot(raw, d_ptr, cols, K, r, t, WIDEN: tl.constexpr):
+        """``t += bf16(raw) @ D[:, cols].T`` (float32 accumulation)."""
+        d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None], mask=(cols < K)[:, None], other=0.0)
+        xb = raw.to(tl.bfloat16)
+        if WIDEN:  # the interpreter multiplies bfloat16 wrongly: widen (exact)
+            return tl.dot(xb.to(tl.float32), d.to(tl.float32), t)
+        return tl.dot(xb, d, t)
+
+    @triton.jit
+    def _int8_lowrank_single_kernel(x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm,
+                                    RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    WIDEN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        row_base = rows.to(tl.int64) * stride_xm
+        out_base = rows.to(tl.int64) * K
+        r = tl.arange(0, RANK)
+        t = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+        raw0, m0, c0 = _raw_piece(x_ptr, row_base, rmask, 0, K, P0)
+        amax = tl.max(tl.abs(_smoothed(raw0, inv_ptr, c0, K, HAS_SMOOTH)), axis=1)
+        t = _piece_dot(raw0, d_ptr, c0, K, r, t, WIDEN)
+        if P1 > 0:
+            raw1, m1, c1 = _raw_piece(x_ptr, row_base, rmask, P0, K, P1)
+            amax = tl.maximum(amax, tl.max(tl.abs(_smoothed(raw1, inv_ptr, c1, K, HAS_SMOOTH)), axis=1))
+            t = _piece_dot(raw1, d_ptr, c1, K, r, t, WIDEN)
+        if P2 > 0:
+            raw2, m2, c2 = _raw_piece(x_ptr, row_base, rmask, P0 + P1, K, P2)
+            amax = tl.maximum(amax, tl.max(tl.abs(_smoothed(raw2, inv_ptr, c2, K, HAS_SMOOTH)), axis=1))
+            t = _piece_dot(raw2, d_ptr, c2, K, r, t, WIDEN)
+        amax = tl.maximum(amax, 1e-12)
+        rcp = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), amax)
+        _store_codes(q_ptr, out_base, _smoothed(raw0, inv_ptr, c0, K, HAS_SMOOTH), rcp, m0, c0)
+        if P1 > 0:
+            _store_codes(q_ptr, out_base, _smoothed(raw1, inv_ptr, c1, K, HAS_SMOOTH), rcp, m1, c1)
+        if P2 > 0:
+            _store_codes(q_ptr, out_base, _smoothed(raw2, inv_ptr, c2, K, HAS_SMOOTH), rcp, m2, c2)
+        tl.store(s_ptr + rows, tl.div_rn(amax, 127.0), mask=rmask)
+        t_ptrs = t_ptr + rows.to(tl.int64)[:, None] * RANK + r[None, :]
+        tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
+
+
 def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.Tensor,
-                                      *, block_m: int | None = None,
-                                      block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                      *, block_m: int | None = None, block_k: int | None = None,
+                                      single_pass: bool | None = None, num_warps: int | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT8 codes, scales and ``t = bf16(x) @ D.T`` of ``x2d`` in one kernel.
 
     Args:
@@ -81,7 +153,11 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
         inv_smooth: optional float32 ``[K]``.
         lora_down: bfloat16 ``[r, K]`` with ``r`` a power of two >= 16 (rank padded).
         block_m / block_k: rows per program / chunk width (defaults :data:`DEFAULT_BLOCK_M`,
-            :data:`DEFAULT_BLOCK_K`; 16 / 64 under the interpreter).
+            :data:`DEFAULT_BLOCK_K`; 16 / 64 under the interpreter; single pass: :data:`SINGLE_PASS_BLOCK_M`
+            rows, a power of two >= 16, and no chunks).
+        single_pass: read each row once (rows up to :data:`SINGLE_PASS_MAX_K`; ``None``: whenever they fit) or in
+            two passes of chunks (``False``). Same codes and scales either way.
+        num_warps: warps per program (default: 4, or 8 for large two-pass chunks).
 
     Returns:
         ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``; ``q`` and ``scale`` bitwise the reference
@@ -107,16 +183,33 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=x2d.device)
     if m == 0:
         return q, scale, t
+    if single_pass is None:
+        single_pass = k <= SINGLE_PASS_MAX_K
+    if single_pass:
+        if k > SINGLE_PASS_MAX_K or (block_m is not None and (block_m < 16 or block_m & (block_m - 1))):
+            raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass takes rows up to "
+                                         f"{SINGLE_PASS_MAX_K} elements and a power-of-two block_m >= 16, got K={k}, "
+                                         f"block_m={block_m}")
+        p0, p1, p2 = row_pieces(k)
+        bm = block_m or SINGLE_PASS_BLOCK_M
+        _int8_lowrank_single_kernel[(triton.cdiv(m, bm),)](
+            x2d, inv_smooth if inv_smooth is not None else scale, lora_down, q, scale, t, m, k, x2d.stride(0),
+            RANK=rank, HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm, WIDEN=x2d.device.type != "cuda",
+            P0=p0, P1=p1, P2=p2, num_warps=num_warps or SINGLE_PASS_WARPS,
+            enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
+        )
+        return q, scale, t
     interp = interpreter_enabled()
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
     bk = block_k or (64 if interp else DEFAULT_BLOCK_K)
     _int8_lowrank_kernel[(triton.cdiv(m, bm),)](
         x2d, inv_smooth if inv_smooth is not None else scale, lora_down, q, scale, t, m, k, x2d.stride(0),
         RANK=rank, HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm, BLOCK_K=bk, WIDEN=x2d.device.type != "cuda",
-        num_warps=4 if bm * bk <= 4096 else 8,
+        num_warps=num_warps or (4 if bm * bk <= 4096 else 8),
         enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
     )
     return q, scale, t
 
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "triton_quantize_rows_int8_lowrank"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K", "SINGLE_PASS_WARPS",
+           "triton_quantize_rows_int8_lowrank"]
