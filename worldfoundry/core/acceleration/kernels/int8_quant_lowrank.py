@@ -32,9 +32,12 @@ from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import row_pieces
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.errors import QuantizationInputError
 
-#: Rows per program and chunk width on CUDA (the benchmark times 16/32/64 rows).
-DEFAULT_BLOCK_M: Final = 32
-DEFAULT_BLOCK_K: Final = 256
+#: Rows per program and chunk width of the two-pass form on CUDA: the fastest of five launch shapes timed on an
+#: H200 at both W81 FFN widths (``benchmarks/kernels/int8_quant_sweep.py``: 0.17 ms at K 1,536 and 0.55 ms at
+#: 8,960, where 32 x 256 took 0.25 and 1.08 ms).
+DEFAULT_BLOCK_M: Final = 64
+DEFAULT_BLOCK_K: Final = 128
+DEFAULT_WARPS: Final = 8
 #: The single-pass form keeps ``BLOCK_M x K`` input elements in registers: rows up to this width.
 SINGLE_PASS_MAX_K: Final = 4096
 #: Rows per program of the single-pass form (``tl.dot`` needs at least 16) and its warps.
@@ -155,9 +158,11 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
         block_m / block_k: rows per program / chunk width (defaults :data:`DEFAULT_BLOCK_M`,
             :data:`DEFAULT_BLOCK_K`; 16 / 64 under the interpreter; single pass: :data:`SINGLE_PASS_BLOCK_M`
             rows, a power of two >= 16, and no chunks).
-        single_pass: read each row once (rows up to :data:`SINGLE_PASS_MAX_K`; ``None``: whenever they fit) or in
-            two passes of chunks (``False``). Same codes and scales either way.
-        num_warps: warps per program (default: 4, or 8 for large two-pass chunks).
+        single_pass: read each row once (rows up to :data:`SINGLE_PASS_MAX_K`) or in two passes of chunks
+            (``False``; the default, ``None``, on CUDA, where it measured faster: 0.17 against 0.22 ms at K 1,536;
+            under the interpreter ``None`` takes the single pass where rows fit). Same codes and scales either way.
+        num_warps: warps per program (default :data:`DEFAULT_WARPS` on CUDA for the two-pass form,
+            :data:`SINGLE_PASS_WARPS` for the single pass).
 
     Returns:
         ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``; ``q`` and ``scale`` bitwise the reference
@@ -184,7 +189,7 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     if m == 0:
         return q, scale, t
     if single_pass is None:
-        single_pass = k <= SINGLE_PASS_MAX_K
+        single_pass = k <= SINGLE_PASS_MAX_K and interpreter_enabled()
     if single_pass:
         if k > SINGLE_PASS_MAX_K or (block_m is not None and (block_m < 16 or block_m & (block_m - 1))):
             raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass takes rows up to "
@@ -202,14 +207,15 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     interp = interpreter_enabled()
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
     bk = block_k or (64 if interp else DEFAULT_BLOCK_K)
+    warps = num_warps or (4 if interp else DEFAULT_WARPS)
     _int8_lowrank_kernel[(triton.cdiv(m, bm),)](
         x2d, inv_smooth if inv_smooth is not None else scale, lora_down, q, scale, t, m, k, x2d.stride(0),
         RANK=rank, HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm, BLOCK_K=bk, WIDEN=x2d.device.type != "cuda",
-        num_warps=num_warps or (4 if bm * bk <= 4096 else 8),
+        num_warps=warps,
         enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
     )
     return q, scale, t
 
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K", "SINGLE_PASS_WARPS",
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K", "SINGLE_PASS_WARPS",
            "triton_quantize_rows_int8_lowrank"]

@@ -1,0 +1,122 @@
+"""H200: the whole W4A8 Linear as ``svdquant`` runs it, against bf16 ``F.linear`` with bias, interleaved.
+
+The per-Linear goal of ``svdquant`` counts everything the Linear costs: per-token INT8 quantization of the bf16
+input (with smoothing), the rank-32 low-rank down projection, the W4A8 GEMM with the low-rank up term and bias.
+At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 -> 1536), this times:
+
+* ``bf16_linear_bias``: ``F.linear(x, w, bias)`` (cuBLAS), the anchor;
+* ``svdquant_linear``: :func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.svdquant_linear` with
+  ``backend="w4a8"``, exactly what the plugin calls (quantizer and low-rank GEMM separate, then the persistent
+  Gluon GEMM);
+* ``svdquant_linear_fused_input``: the same with ``fused_lowrank=True`` (quantizer and low-rank in one kernel);
+* ``gemm_only``: the persistent GEMM with precomputed codes, scales and ``t`` (what the input side costs is the
+  difference).
+
+GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
+that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
+launches, median), and a variant's ratio to bf16 is taken *within* each block; the report gives the median ratio
+over blocks and its range. Operands: Gaussian activations and weights, random smoothing and factors (speed only;
+the numerics are tested in the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
+
+    python benchmarks/kernels/w4a8_linear.py --out "$OUT"      # about 30 s on an H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
+from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
+
+M_TOKENS = 32760
+SHAPES = ((1536, 8960), (8960, 1536))
+RANK = 32
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``reps`` launches, CUDA events around each (after two warm-up launches)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The timed callables of one shape and what ran (backend names from the dispatch)."""
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(M_TOKENS, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    inv = (torch.rand(k, device="cuda", generator=g) + 0.5).float()
+    down = (torch.randn(RANK, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    up = (torch.randn(n, RANK, device="cuda", generator=g) / RANK**0.5).to(torch.bfloat16)
+    packed, scales = quantize_int4_groupwise(w, 0)
+    weight = SVDQuantWeight(packed, scales, 0, inv_smooth=inv, lora_down=down, lora_up=up)
+    q, s = quantize_rows_int8(x, inv)
+    t = F.linear(x, down)
+    ran = {"svdquant_linear": svdquant_linear(x, weight, bias, backend="w4a8")[1].backend,
+           "svdquant_linear_fused_input": svdquant_linear(x, weight, bias, backend="w4a8",
+                                                          fused_lowrank=True)[1].backend}
+    fns = {"bf16_linear_bias": lambda: F.linear(x, w, bias),
+           "svdquant_linear": lambda: svdquant_linear(x, weight, bias, backend="w4a8"),
+           "svdquant_linear_fused_input": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
+                                                                  fused_lowrank=True),
+           "gemm_only": lambda: gluon_w4a8_persistent_gemm(q, s, weight, t, bias)}
+    return fns, ran
+
+
+def shape_section(k: int, n: int, blocks: int, reps: int) -> dict[str, Any]:
+    fns, ran = variants(k, n)
+    per_block: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            per_block[name].append(median_ms(fn, reps))
+    bf16 = per_block["bf16_linear_bias"]
+    rows = {}
+    for name, times in per_block.items():
+        ratios = [b / t for b, t in zip(bf16, times)]
+        rows[name] = {"ms_per_block": times, "median_ms": statistics.median(times),
+                      "speedup_vs_bf16": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
+    return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
+    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
+              "reps": args.reps, "shapes": {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps)
+                                            for k, n in SHAPES}}
+    (out / "w4a8_linear.json").write_text(json.dumps(report, indent=1))
+    for key, sec in report["shapes"].items():
+        print(key, "ran:", sec["backend_ran"])
+        for name, row in sec["rows"].items():
+            lo, hi = row["speedup_range"]
+            print(f"  {name:<30} {row['median_ms']:.3f} ms  {row['speedup_vs_bf16']:.3f}x bf16 [{lo:.3f}, {hi:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
