@@ -8,7 +8,7 @@ times (CUDA events, median of ``--reps`` after ``--warmup``; L2 not flushed):
 * the quantizer alone (:mod:`...int8_act_quant`) at launch shapes around its default, single pass and two passes;
 * the low-rank down projection as one bf16 GEMM (``F.linear(x, D)``);
 * quantizer + low-rank in one kernel (:mod:`...int8_quant_lowrank`): the two-pass form at several chunkings and
-  the single-pass form (rows up to 4,096) at several row counts and warps;
+  the single-pass form (rows up to ``SINGLE_PASS_MAX_K``) at several row counts and warps;
 * the whole Linear with the fastest input side and the persistent Gluon GEMM (low-rank up term and bias), beside
   bf16 ``F.linear(x, w, bias)``.
 
@@ -34,7 +34,7 @@ import triton
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import row_pieces
 from worldfoundry.core.acceleration.kernels.int8_act_quant import _int8_rows_kernel, triton_quantize_rows_int8
-from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import SINGLE_PASS_MAX_K, triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
@@ -90,7 +90,7 @@ def fused_configs(k: int) -> list[dict[str, Any]]:
     """``triton_quantize_rows_int8_lowrank`` keyword sets: two passes at several chunkings, single pass at <= 4K."""
     out = [{"single_pass": False, "block_m": bm, "block_k": bk, "num_warps": w}
            for bm, bk, w in ((16, 256, 4), (32, 256, 8), (16, 512, 8), (64, 128, 8), (32, 128, 4))]
-    if k <= 4096:
+    if k <= SINGLE_PASS_MAX_K:
         out += [{"single_pass": True, "block_m": bm, "num_warps": w} for bm in (16, 32) for w in (4, 8)]
     return out
 

@@ -50,9 +50,9 @@ def test_single_pass_limits_are_typed_errors():
     down = torch.zeros(16, 128, dtype=torch.bfloat16)
     with pytest.raises(QuantizationInputError, match="power-of-two block_m >= 16"):
         triton_quantize_rows_int8_lowrank(torch.randn(4, 128), None, down, single_pass=True, block_m=8)
-    wide = torch.randn(2, 4160)
-    with pytest.raises(QuantizationInputError, match="rows up to 4096"):
-        triton_quantize_rows_int8_lowrank(wide, None, torch.zeros(16, 4160, dtype=torch.bfloat16), single_pass=True)
+    wide = torch.randn(2, 2112)
+    with pytest.raises(QuantizationInputError, match="rows up to 2048"):
+        triton_quantize_rows_int8_lowrank(wide, None, torch.zeros(16, 2112, dtype=torch.bfloat16), single_pass=True)
 
 
 def test_bad_operands_are_typed_errors():

@@ -38,8 +38,9 @@ from worldfoundry.errors import QuantizationInputError
 DEFAULT_BLOCK_M: Final = 64
 DEFAULT_BLOCK_K: Final = 128
 DEFAULT_WARPS: Final = 8
-#: The single-pass form keeps ``BLOCK_M x K`` input elements in registers: rows up to this width.
-SINGLE_PASS_MAX_K: Final = 4096
+#: The single-pass form keeps ``BLOCK_M x K`` input elements in registers and stages each piece's ``tl.dot``
+#: operands in shared memory: rows up to this width (a 4,096-wide piece needs 384 KB of it, over an H200's 227 KB).
+SINGLE_PASS_MAX_K: Final = 2048
 #: Rows per program of the single-pass form (``tl.dot`` needs at least 16) and its warps.
 SINGLE_PASS_BLOCK_M: Final = 16
 SINGLE_PASS_WARPS: Final = 4
@@ -144,6 +145,31 @@ if TRITON_AVAILABLE:
         tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
 
 
+def _check_operands(x2d: torch.Tensor, inv_smooth: torch.Tensor | None,
+                    lora_down: torch.Tensor) -> tuple[int, int, int]:
+    """``(M, K, rank)``, or a typed error naming the operand that does not fit."""
+    if not TRITON_AVAILABLE:
+        raise QuantizationInputError("triton is not importable; use the torch reference")
+    m, k = x2d.shape
+    rank = lora_down.shape[0]
+    if x2d.stride(-1) != 1 or lora_down.shape != (rank, k) or lora_down.dtype != torch.bfloat16:
+        raise QuantizationInputError(f"quantize_rows_int8_lowrank: x must be [M, {k}] with unit K stride and the "
+                                     f"down factor bfloat16 [r, {k}], got {tuple(lora_down.shape)}")
+    if rank < 16 or rank & (rank - 1) or not lora_down.is_contiguous():
+        raise QuantizationInputError(f"quantize_rows_int8_lowrank: rank {rank} must be a power of two >= 16 "
+                                     "(use pad_rank), factor contiguous")
+    if inv_smooth is not None and (inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32):
+        raise QuantizationInputError(f"quantize_rows_int8_lowrank: inv_smooth must be float32 [{k}]")
+    return m, k, rank
+
+
+def _check_single_pass(k: int, block_m: int | None) -> None:
+    if k > SINGLE_PASS_MAX_K or (block_m is not None and (block_m < 16 or block_m & (block_m - 1))):
+        raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass takes rows up to "
+                                     f"{SINGLE_PASS_MAX_K} elements and a power-of-two block_m >= 16, got K={k}, "
+                                     f"block_m={block_m}")
+
+
 def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.Tensor,
                                       *, block_m: int | None = None, block_k: int | None = None,
                                       single_pass: bool | None = None, num_warps: int | None = None
@@ -171,18 +197,7 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     Raises:
         QuantizationInputError: triton missing or operands of the wrong shape/dtype.
     """
-    if not TRITON_AVAILABLE:
-        raise QuantizationInputError("triton is not importable; use the torch reference")
-    m, k = x2d.shape
-    rank = lora_down.shape[0]
-    if x2d.stride(-1) != 1 or lora_down.shape != (rank, k) or lora_down.dtype != torch.bfloat16:
-        raise QuantizationInputError(f"quantize_rows_int8_lowrank: x must be [M, {k}] with unit K stride and the "
-                                     f"down factor bfloat16 [r, {k}], got {tuple(lora_down.shape)}")
-    if rank < 16 or rank & (rank - 1) or not lora_down.is_contiguous():
-        raise QuantizationInputError(f"quantize_rows_int8_lowrank: rank {rank} must be a power of two >= 16 "
-                                     "(use pad_rank), factor contiguous")
-    if inv_smooth is not None and (inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32):
-        raise QuantizationInputError(f"quantize_rows_int8_lowrank: inv_smooth must be float32 [{k}]")
+    m, k, rank = _check_operands(x2d, inv_smooth, lora_down)
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=x2d.device)
@@ -191,10 +206,7 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     if single_pass is None:
         single_pass = k <= SINGLE_PASS_MAX_K and interpreter_enabled()
     if single_pass:
-        if k > SINGLE_PASS_MAX_K or (block_m is not None and (block_m < 16 or block_m & (block_m - 1))):
-            raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass takes rows up to "
-                                         f"{SINGLE_PASS_MAX_K} elements and a power-of-two block_m >= 16, got K={k}, "
-                                         f"block_m={block_m}")
+        _check_single_pass(k, block_m)
         p0, p1, p2 = row_pieces(k)
         bm = block_m or SINGLE_PASS_BLOCK_M
         _int8_lowrank_single_kernel[(triton.cdiv(m, bm),)](
@@ -217,5 +229,5 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     return q, scale, t
 
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K", "SINGLE_PASS_WARPS",
-           "triton_quantize_rows_int8_lowrank"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K",
+           "SINGLE_PASS_WARPS", "triton_quantize_rows_int8_lowrank"]
