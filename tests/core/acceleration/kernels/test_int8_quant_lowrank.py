@@ -53,6 +53,9 @@ def test_single_pass_limits_are_typed_errors():
     wide = torch.randn(2, 2112)
     with pytest.raises(QuantizationInputError, match="rows up to 2048"):
         triton_quantize_rows_int8_lowrank(wide, None, torch.zeros(16, 2112, dtype=torch.bfloat16), single_pass=True)
+    with pytest.raises(QuantizationInputError, match="needs 327680 bytes of shared memory"):  # 2048 * (16 + 64) * 2
+        triton_quantize_rows_int8_lowrank(torch.randn(2, 2048), None, torch.zeros(64, 2048, dtype=torch.bfloat16),
+                                          single_pass=True)
 
 
 def test_bad_operands_are_typed_errors():

@@ -38,9 +38,11 @@ from worldfoundry.errors import QuantizationInputError
 DEFAULT_BLOCK_M: Final = 64
 DEFAULT_BLOCK_K: Final = 128
 DEFAULT_WARPS: Final = 8
-#: The single-pass form keeps ``BLOCK_M x K`` input elements in registers and stages each piece's ``tl.dot``
-#: operands in shared memory: rows up to this width (a 4,096-wide piece needs 384 KB of it, over an H200's 227 KB).
+#: The single-pass form keeps ``BLOCK_M x K`` input elements in registers: rows up to this width.
 SINGLE_PASS_MAX_K: Final = 2048
+#: It stages each piece's ``tl.dot`` operands in shared memory, ``piece * (BLOCK_M + rank) * 2`` bytes (the H200
+#: reported exactly that, 384 KB, for a 4,096-wide piece at rank 32): at most this much (an H200's per-block limit).
+SINGLE_PASS_SMEM_BYTES: Final = 232448
 #: Rows per program of the single-pass form (``tl.dot`` needs at least 16) and its warps.
 SINGLE_PASS_BLOCK_M: Final = 16
 SINGLE_PASS_WARPS: Final = 4
@@ -163,11 +165,16 @@ def _check_operands(x2d: torch.Tensor, inv_smooth: torch.Tensor | None,
     return m, k, rank
 
 
-def _check_single_pass(k: int, block_m: int | None) -> None:
-    if k > SINGLE_PASS_MAX_K or (block_m is not None and (block_m < 16 or block_m & (block_m - 1))):
+def _check_single_pass(k: int, block_m: int, rank: int) -> None:
+    if k > SINGLE_PASS_MAX_K or block_m < 16 or block_m & (block_m - 1):
         raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass takes rows up to "
                                      f"{SINGLE_PASS_MAX_K} elements and a power-of-two block_m >= 16, got K={k}, "
                                      f"block_m={block_m}")
+    smem = row_pieces(k)[0] * (block_m + rank) * 2
+    if smem > SINGLE_PASS_SMEM_BYTES:
+        raise QuantizationInputError(f"quantize_rows_int8_lowrank: the single pass at K={k}, block_m={block_m}, rank "
+                                     f"{rank} needs {smem} bytes of shared memory (limit {SINGLE_PASS_SMEM_BYTES}); "
+                                     "use single_pass=False")
 
 
 def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.Tensor,
@@ -206,9 +213,9 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     if single_pass is None:
         single_pass = k <= SINGLE_PASS_MAX_K and interpreter_enabled()
     if single_pass:
-        _check_single_pass(k, block_m)
-        p0, p1, p2 = row_pieces(k)
         bm = block_m or SINGLE_PASS_BLOCK_M
+        _check_single_pass(k, bm, rank)
+        p0, p1, p2 = row_pieces(k)
         _int8_lowrank_single_kernel[(triton.cdiv(m, bm),)](
             x2d, inv_smooth if inv_smooth is not None else scale, lora_down, q, scale, t, m, k, x2d.stride(0),
             RANK=rank, HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm, WIDEN=x2d.device.type != "cuda",
@@ -230,4 +237,4 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
 
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K",
-           "SINGLE_PASS_WARPS", "triton_quantize_rows_int8_lowrank"]
+           "SINGLE_PASS_SMEM_BYTES", "SINGLE_PASS_WARPS", "triton_quantize_rows_int8_lowrank"]
