@@ -1,8 +1,9 @@
 """Ping-pong W4A8 GEMM on Hopper (Gluon), host side: two consumer warpgroups taking alternate output tiles.
 
-**Status: compiled for sm_90 but not yet run on a GPU** -- numerics and speed are unmeasured; run
-``tests/core/acceleration/kernels/test_w4a8_gluon_pingpong.py`` and
-``benchmarks/kernels/w4a8_gluon.py --kernels pingpong`` on a Hopper GPU before relying on it.
+**Status: correct on an H200, and slower than the persistent kernel** -- its GPU tests pass (bitwise without the
+low-rank term; the W81 shapes included), but ``benchmarks/kernels/w4a8_gluon.py --kernels pingpong`` measured
+1.88 ms at every W81 FFN shape against 0.84-0.87 ms for :mod:`.w4a8_gluon_persistent` (``docs/performance.md``).
+Nothing dispatches to it; it is kept as a measured variant.
 
 Computes the same function as :func:`~.w4a8_gluon_persistent.gluon_w4a8_persistent_gemm`,
 ``bf16(float32(q_x[m] . q_w[n]) * s_w[n] * s_x[m] (+ t @ U.T) (+ b))``, with the same calling convention and
@@ -144,7 +145,7 @@ def check_pingpong_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQua
 def gluon_w4a8_pingpong_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight,
                              t: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                              tile: PingPongTile | None = None) -> torch.Tensor:
-    """The per-channel SVDQuant W4A8 GEMM with two ping-pong consumer warpgroups (not yet run on a GPU).
+    """The per-channel SVDQuant W4A8 GEMM with two ping-pong consumer warpgroups (measured slower than the persistent kernel).
 
     Args:
         q: int8 ``[M, K]`` activation codes; scale: float32 ``[M, 1]``.
