@@ -10,7 +10,12 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   Gluon GEMM);
 * ``svdquant_linear_fused_input``: the same with ``fused_lowrank=True`` (quantizer and low-rank in one kernel);
 * ``gemm_only``: the persistent GEMM with precomputed codes, scales and ``t`` (what the input side costs is the
-  difference).
+  difference);
+* for the down projection (K 8960) with its producer, as the plugin's ``fuse_gelu`` runs an FFN:
+  ``bf16_gelu_linear_bias`` (torch's GELU of the up projection's output ``h``, then ``F.linear``; the anchor of
+  this pair) against ``w4a8_gelu_producer`` (GELU + smoothing + INT8 + low-rank down in one kernel
+  (:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`), then the persistent GEMM); its ratio is to
+  that anchor.
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
@@ -81,6 +87,15 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
            "svdquant_linear_fused_input": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
                                                                   fused_lowrank=True),
            "gemm_only": lambda: gluon_w4a8_persistent_gemm(q, s, weight, t, bias)}
+    if k == 8960:
+        h = (torch.randn(M_TOKENS, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
+
+        def producer() -> torch.Tensor:
+            qg, sg, tg = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", inv, down)
+            return gluon_w4a8_persistent_gemm(qg, sg, weight, tg, bias)
+
+        fns["bf16_gelu_linear_bias"] = lambda: F.linear(F.gelu(h, approximate="tanh"), w, bias)
+        fns["w4a8_gelu_producer"] = producer
     return fns, ran
 
 
@@ -90,11 +105,12 @@ def shape_section(k: int, n: int, blocks: int, reps: int) -> dict[str, Any]:
     for _ in range(blocks):
         for name, fn in fns.items():
             per_block[name].append(median_ms(fn, reps))
-    bf16 = per_block["bf16_linear_bias"]
     rows = {}
     for name, times in per_block.items():
-        ratios = [b / t for b, t in zip(bf16, times)]
-        rows[name] = {"ms_per_block": times, "median_ms": statistics.median(times),
+        anchor = "bf16_gelu_linear_bias" if name in ("bf16_gelu_linear_bias", "w4a8_gelu_producer") else \
+            "bf16_linear_bias"
+        ratios = [b / t for b, t in zip(per_block[anchor], times)]
+        rows[name] = {"anchor": anchor, "ms_per_block": times, "median_ms": statistics.median(times),
                       "speedup_vs_bf16": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
     return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran, "rows": rows}
 
@@ -115,7 +131,8 @@ def main() -> None:
         print(key, "ran:", sec["backend_ran"])
         for name, row in sec["rows"].items():
             lo, hi = row["speedup_range"]
-            print(f"  {name:<30} {row['median_ms']:.3f} ms  {row['speedup_vs_bf16']:.3f}x bf16 [{lo:.3f}, {hi:.3f}]")
+            print(f"  {name:<30} {row['median_ms']:.3f} ms  {row['speedup_vs_bf16']:.3f}x {row['anchor']} "
+                  f"[{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ class Options(PluginOptions):
             ``"reference"``.
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation (default true; on the H200 W81 FFN
             shapes it changed the Linear's relative L2 to bf16 by less than 1e-4 and saved 10-15 %).
-        fuse_gelu: W4F8 only: when both Linears of a diffusers ``FeedForward`` run W4F8, compute the GELU, the
-            smoothing and the down projection's FP8 quantization in one kernel (:mod:`.ffn_fusion`).
+        fuse_gelu: when both Linears of a diffusers ``FeedForward`` run W4F8, compute the GELU, the smoothing and
+            the down projection's FP8 quantization in one kernel (:mod:`.ffn_fusion`); when both run W4A8 on a
+            bfloat16 model, the GELU, the smoothing, the INT8 quantization and the low-rank down projection
+            (:mod:`.ffn_fusion_w4a8`).
         one_launch_operand: W4F8 only: build each activation operand -- the FP8 codes and the appended low-rank
             codes -- in one launch instead of two (the second rereads the codes); the same codes and scales
             (default false).

@@ -38,6 +38,7 @@ from worldfoundry.core.acceleration.ffn_structure import FusableFFN, plan_ffn_fu
 from worldfoundry.core.acceleration.ffn_structure import fusion_note as ffn_fusion_note
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend
 from worldfoundry_svdquant.ffn_fusion import FUSED_KIND, FusedW4F8FFN
+from worldfoundry_svdquant.ffn_fusion_w4a8 import FUSED_KIND_W4A8, FusedW4A8FFN
 from worldfoundry_svdquant.options import PLUGIN_NAME, Options
 from worldfoundry_svdquant.runtime import SVDQuantHandle, SVDQuantRuntime
 
@@ -136,21 +137,27 @@ def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selec
                                                   plugin=PLUGIN_NAME)
         for s in selected:
             rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
+        fusion = FusedW4A8FFN if _fused_backend(opts, artifact, selected) == "w4a8" else FusedW4F8FFN
         for plan in fused:
-            rec.wrap_forward(plan.ffn, FusedW4F8FFN(runtime, plan).make_wrapper, name=PLUGIN_NAME)
+            rec.wrap_forward(plan.ffn, fusion(runtime, plan).make_wrapper, name=PLUGIN_NAME)
         patches = rec.pop_all()
     return SVDQuantHandle(patches, ledger, runtime, summary)
 
 
+def _fused_backend(opts: Options, artifact: SVDQuantArtifact, selected: Sequence[SelectedLinear]) -> str | None:
+    """The backend the selected Linears run on their device, or ``None`` without any."""
+    if not selected:
+        return None
+    device = selected[0].module.weight.device
+    return choose_backend(device, opts.backend, int(artifact.manifest["group_size"])).backend
+
+
 def plan_fusion(model: nn.Module, opts: Options, artifact: SVDQuantArtifact,
                 selected: Sequence[SelectedLinear]) -> tuple[list[FusableFFN], dict[str, str]]:
-    """The FFNs whose GELU producer runs fused: both Linears selected, structure reproducible, and W4F8 the
-    backend on their device (a weight the W4F8 preparation later refuses runs unfused, per call)."""
-    if not selected:
-        return [], {}
-    device = selected[0].module.weight.device
-    backend = choose_backend(device, opts.backend, int(artifact.manifest["group_size"])).backend
-    if backend != "w4f8":
+    """The FFNs whose GELU producer runs fused: both Linears selected, structure reproducible, and W4F8 or W4A8
+    the backend on their device (a weight the W4F8 preparation later refuses, or an input the W4A8 producer does
+    not take, runs unfused, per call)."""
+    if _fused_backend(opts, artifact, selected) not in ("w4f8", "w4a8"):
         return [], {}
     return plan_ffn_fusion(model, [s.path for s in selected], enabled=opts.fuse_gelu)
 
@@ -204,8 +211,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
             f"activations, from {artifact.file}",
             "keep_original cpu: dense weights move to pinned host memory (device weight memory drops); device: "
             "dense weights stay and the quantized tensors are added",
-            ffn_fusion_note(fused, not_fused, FUSED_KIND) if fused or not_fused else
-            "GELU producer fusion: only with the W4F8 backend and both Linears of an FFN selected",
+            ffn_fusion_note(fused, not_fused, FUSED_KIND_W4A8 if _fused_backend(opts, artifact, selected) == "w4a8"
+                            else FUSED_KIND) if fused or not_fused else
+            "GELU producer fusion: only with the W4F8 or W4A8 backend and both Linears of an FFN selected",
             "runs W4F8 (per-channel artifacts: FP8 activations and codes, one torch._scaled_mm with the low-rank "
             "branch as FP8 head/tail codes) or W4A8 (group-wise: Triton, INT8 tensor cores) on sm_90+, W4A16 on "
             "other CUDA GPUs and the torch reference of the W4A8 numerics on the CPU; receipts name the backend "

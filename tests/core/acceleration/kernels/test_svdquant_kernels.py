@@ -158,7 +158,7 @@ def test_w4a8_on_hopper_routes_per_channel_weights_to_the_gluon_gemm(monkeypatch
     monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(dispatch, "gluon_w4a8_persistent_gemm", fake_gemm)
     monkeypatch.setattr(dispatch, "triton_w4a8_gemm", lambda *a, **k: torch.zeros(5, 32, dtype=k["out_dtype"]))
-    out, used = dispatch._w4a8_gemm(q, s, weight, t, None, torch.float32, dispatch.BackendChoice("w4a8"))
+    out, used = dispatch.w4a8_gemm_from_codes(q, s, weight, t, None, torch.float32, dispatch.BackendChoice("w4a8"))
     assert len(calls) == 1 and out.dtype == torch.float32
     if outcome == "runs":
         assert used == dispatch.BackendChoice(dispatch.W4A8_GLUON) and torch.equal(out, torch.ones(5, 32))
@@ -166,5 +166,5 @@ def test_w4a8_on_hopper_routes_per_channel_weights_to_the_gluon_gemm(monkeypatch
         assert used.backend == "w4a8" and used.reason.startswith("gluon w4a8 refused: gluon_w4a8_persistent_gemm: N")
         assert torch.equal(out, torch.zeros(5, 32))
     grouped = _weight(32, 128, 8, 64, smooth=False)  # group-wise scales never go to the per-channel Gluon GEMM
-    _, used = dispatch._w4a8_gemm(q, s, grouped, t, None, torch.float32, dispatch.BackendChoice("w4a8", "kept"))
+    _, used = dispatch.w4a8_gemm_from_codes(q, s, grouped, t, None, torch.float32, dispatch.BackendChoice("w4a8", "kept"))
     assert used == dispatch.BackendChoice("w4a8", "kept") and len(calls) == 1

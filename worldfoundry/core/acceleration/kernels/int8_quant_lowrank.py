@@ -147,7 +147,7 @@ if TRITON_AVAILABLE:
         tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
 
 
-def _check_operands(x2d: torch.Tensor, inv_smooth: torch.Tensor | None,
+def check_quant_lowrank_operands(x2d: torch.Tensor, inv_smooth: torch.Tensor | None,
                     lora_down: torch.Tensor) -> tuple[int, int, int]:
     """``(M, K, rank)``, or a typed error naming the operand that does not fit."""
     if not TRITON_AVAILABLE:
@@ -204,7 +204,7 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
     Raises:
         QuantizationInputError: triton missing or operands of the wrong shape/dtype.
     """
-    m, k, rank = _check_operands(x2d, inv_smooth, lora_down)
+    m, k, rank = check_quant_lowrank_operands(x2d, inv_smooth, lora_down)
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=x2d.device)
@@ -237,4 +237,5 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
 
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K",
-           "SINGLE_PASS_SMEM_BYTES", "SINGLE_PASS_WARPS", "triton_quantize_rows_int8_lowrank"]
+           "SINGLE_PASS_SMEM_BYTES", "SINGLE_PASS_WARPS", "check_quant_lowrank_operands",
+           "triton_quantize_rows_int8_lowrank"]

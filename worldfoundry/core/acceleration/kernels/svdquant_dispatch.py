@@ -206,17 +206,19 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         else:
             t = lowrank_down(x2d, weight)
             q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
-        out, choice = _w4a8_gemm(q, scale, weight, t, bias, x.dtype, choice)
+        out, choice = w4a8_gemm_from_codes(q, scale, weight, t, bias, x.dtype, choice)
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
 
 
-def _w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
-               bias: torch.Tensor | None, out_dtype: torch.dtype,
-               choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
-    """The W4A8 GEMM: the persistent Gluon kernel (asynchronous int8 ``wgmma``) for per-channel weights on a Hopper
-    GPU, else the Triton one; a Gluon refusal is named in the reason."""
+def w4a8_gemm_from_codes(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype,
+                         choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
+    """The W4A8 GEMM of quantized activations (``q`` int8 ``[M, K]``, ``scale`` ``[M, 1]``, ``t`` the low-rank
+    down projection or ``None``), returning the output in ``out_dtype`` and what ran: the persistent Gluon kernel
+    (asynchronous int8 ``wgmma``) for per-channel weights on a Hopper GPU, else the Triton one; a Gluon refusal
+    is named in the reason."""
     reason = choice.reason
     if weight.group_size == PER_CHANNEL and _hopper(q.device) and GLUON_AVAILABLE and not interpreter_enabled():
         try:
@@ -258,6 +260,7 @@ __all__ = [
     "choose_backend",
     "lowrank_down",
     "pad_rank",
+    "w4a8_gemm_from_codes",
     "reference_for",
     "svdquant_linear",
 ]

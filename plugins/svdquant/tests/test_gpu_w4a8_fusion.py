@@ -1,0 +1,59 @@
+"""``svdquant``'s W4A8 GELU producer on CUDA: the kernel at the W81 down projection's width (bitwise given its GELU)
+and the fused FFN of the tiny bfloat16 Wan (receipts, closeness to the per-Linear path, exact restore).
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from worldfoundry_svdquant.ffn_fusion_w4a8 import FUSED_KIND_W4A8
+from worldfoundry_svdquant.plugin import prepare
+
+from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
+from worldfoundry.core.acceleration.context import RequestContext, request_scope
+from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_quantize_rowwise_fp8
+from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE
+from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.model_loading.policy import RuntimePolicy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and TRITON_AVAILABLE),
+                                                  reason="needs CUDA and triton")]
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("m,k", [(4100, 8960), (77, 1536)])
+def test_producer_codes_bitwise_given_its_gelu(m, k, approximate):
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    h = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    inv = torch.rand(k, device="cuda", generator=g) + 0.5
+    down = (torch.randn(32, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    q, s, t = triton_gelu_quantize_rows_int8_lowrank(h, approximate, inv, down)
+    act = triton_gelu_quantize_rowwise_fp8(h, approximate, return_activation=True)[2]
+    q_ref, s_ref = quantize_rows_int8(act, inv)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    t_ref = (act.float() @ down.float().t()).to(torch.bfloat16).float()
+    assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()
+
+
+def test_fused_ffn_on_cuda(kit, tmp_path):
+    model = kit.build_wan(dtype=torch.bfloat16).cuda()
+    artifact = kit.calibrate(model, tmp_path / "bf16.json")
+    before = kit.fingerprint(model)
+    outs, records = {}, {}
+    for fuse in (False, True):
+        reg = AccelerationRegistry(discover=False)
+        reg.register("svdquant", prepare)
+        session = install_diffusion_accelerations(
+            model, {"svdquant": {"artifact": str(artifact), "backend": "w4a8", "fuse_gelu": fuse}},
+            RuntimePolicy(device="cuda"), registry=reg)
+        with request_scope(RequestContext("r1", branch="cond", step_index=0)):
+            outs[fuse] = kit.run_wan(model, torch.bfloat16).float()
+        records[fuse] = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
+        session.uninstall()
+    assert records[True]["modules"]["blocks.0.ffn"] == {FUSED_KIND_W4A8: 1}
+    assert records[True]["modules"]["blocks.0.ffn.net.2"] == {"w4a8": 1}
+    assert "blocks.0.ffn" not in records[False]["modules"]
+    assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 0.01
+    kit.assert_same(before, kit.fingerprint(model))
