@@ -31,10 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from cuda_timing import time_ms
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import row_pieces
 from worldfoundry.core.acceleration.kernels.int8_act_quant import _int8_rows_kernel, triton_quantize_rows_int8
-from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import SINGLE_PASS_MAX_K, triton_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import (
+    SINGLE_PASS_MAX_K,
+    triton_quantize_rows_int8_lowrank,
+)
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
@@ -43,23 +47,6 @@ from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQua
 M_TOKENS = 32760
 SHAPES = ((1536, 8960), (8960, 1536))
 RANK = 32
-
-
-def time_ms(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``reps`` launches (CUDA events around each), after ``warmup`` launches."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    samples.sort()
-    return samples[len(samples) // 2]
 
 
 def quant_launch(x: torch.Tensor, inv: torch.Tensor, meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

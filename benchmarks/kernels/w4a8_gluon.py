@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import time_ms
 
 from worldfoundry.core.acceleration.kernels.int8_act_quant import triton_quantize_rows_int8
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
@@ -94,22 +94,6 @@ PERSISTENT_SWEEP = [PersistentTile(128, 256, 64, 8, 8, group_t=1), PersistentTil
                     PersistentTile(128, 256, 64, 8, 8, group_t=1, unpack=0)]
 PINGPONG_SWEEP = [PingPongTile(), PingPongTile(128, 128, 64, 6, group_t=1), PingPongTile(128, 128, 64, 6, group_t=8),
                   PingPongTile(64, 256, 64, 4), PingPongTile(64, 128, 128, 4), PingPongTile(128, 128, 64, 6, unpack=0)]
-
-
-def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``reps`` launches (CUDA events around each), after ``warmup`` launches."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def quantize_rows(x: torch.Tensor, qmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import time_ms
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
@@ -48,22 +49,6 @@ from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQua
 M_TOKENS = 32760
 SHAPES = ((1536, 8960), (8960, 1536))
 RANK = 32
-
-
-def median_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``reps`` launches, CUDA events around each (after two warm-up launches)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -104,7 +89,7 @@ def shape_section(k: int, n: int, blocks: int, reps: int) -> dict[str, Any]:
     per_block: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(blocks):
         for name, fn in fns.items():
-            per_block[name].append(median_ms(fn, reps))
+            per_block[name].append(time_ms(fn, 2, reps))
     rows = {}
     for name, times in per_block.items():
         anchor = "bf16_gelu_linear_bias" if name in ("bf16_gelu_linear_bias", "w4a8_gelu_producer") else \

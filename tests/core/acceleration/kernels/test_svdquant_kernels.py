@@ -166,5 +166,6 @@ def test_w4a8_on_hopper_routes_per_channel_weights_to_the_gluon_gemm(monkeypatch
         assert used.backend == "w4a8" and used.reason.startswith("gluon w4a8 refused: gluon_w4a8_persistent_gemm: N")
         assert torch.equal(out, torch.zeros(5, 32))
     grouped = _weight(32, 128, 8, 64, smooth=False)  # group-wise scales never go to the per-channel Gluon GEMM
-    _, used = dispatch.w4a8_gemm_from_codes(q, s, grouped, t, None, torch.float32, dispatch.BackendChoice("w4a8", "kept"))
+    _, used = dispatch.w4a8_gemm_from_codes(q, s, grouped, t, None, torch.float32,
+                                            dispatch.BackendChoice("w4a8", "kept"))
     assert used == dispatch.BackendChoice("w4a8", "kept") and len(calls) == 1
