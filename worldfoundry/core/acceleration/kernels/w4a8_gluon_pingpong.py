@@ -145,7 +145,8 @@ def check_pingpong_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQua
 def gluon_w4a8_pingpong_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight,
                              t: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                              tile: PingPongTile | None = None) -> torch.Tensor:
-    """The per-channel SVDQuant W4A8 GEMM with two ping-pong consumer warpgroups (measured slower than the persistent kernel).
+    """The per-channel SVDQuant W4A8 GEMM with two ping-pong consumer warpgroups (measured slower than the
+    persistent kernel).
 
     Args:
         q: int8 ``[M, K]`` activation codes; scale: float32 ``[M, 1]``.
