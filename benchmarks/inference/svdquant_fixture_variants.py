@@ -1,0 +1,74 @@
+"""CPU: calibration variants of ``svdquant`` on the shipped trained tiny model, judged on quality only.
+
+Each variant calibrates an artifact for ``blocks.*.ffn.0`` / ``blocks.*.ffn.2`` (seeds 11/12, the recipe's own
+prompts) with ``worldfoundry calibrate svdquant`` and its flags, then ``worldfoundry bench --quality-only`` runs
+all of them on the evaluation seeds 42/43 with INT8 activations (``backend: reference``, the torch reference of
+the W4A8 numerics), against the draft budget (latent rel L2 <= 0.12, PSNR >= 27 dB, min SSIM >= 0.89). Prints one
+row per variant and writes the bench's ``results.json`` / ``report.md`` under ``--out``.
+
+    python benchmarks/inference/svdquant_fixture_variants.py --out /tmp/svdquant-variants      # ~1 min per variant
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq g64-r64-gptq
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+#: name -> ``worldfoundry calibrate svdquant`` flags (beyond recipe, include and output).
+VARIANTS: dict[str, list[str]] = {
+    "ch-r64-gptq": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
+    "ch-r64-gptq-a50": ["--rank", "64", "--group-size", "channel", "--alpha", "0.5", "--rounding", "gptq"],
+    "ch-r64-gptq-a25": ["--rank", "64", "--group-size", "channel", "--alpha", "0.25", "--rounding", "gptq"],
+    "ch-r64-gptq-ffn2-plain": ["--rank", "64", "--group-size", "channel", "--alpha", "0.25", "--unsmoothed",
+                               "blocks.*.ffn.2", "--rounding", "gptq"],
+    "ch-r128-gptq": ["--rank", "128", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
+    "g64-r64-gptq": ["--rank", "64", "--group-size", "64", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
+    "ch-rtn": ["--method", "rtn", "--group-size", "channel"],
+}
+WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
+            "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
+BUDGET = {"latent_rel_l2": 0.12, "psnr_db": 27.0, "min_ssim": 0.89}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="./bench_out/svdquant-variants")
+    parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    candidates = []
+    for name in args.only:
+        artifact = out / f"{name}.json"
+        cmd = ["worldfoundry", "calibrate", "svdquant", "--recipe", "tiny-wan2.1-trained", "--include",
+               "blocks.*.ffn.0", "blocks.*.ffn.2", *VARIANTS[name], "--out", str(artifact)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{name}: calibration failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
+            continue
+        candidates.append({"name": name, "accelerations": {"svdquant": {"artifact": str(artifact),
+                                                                        "backend": "reference"}},
+                           "notes": "calibrate flags: " + " ".join(VARIANTS[name])})
+    spec = {"model": "tiny-wan2.1-trained", "workload": WORKLOAD, "quality_budget": BUDGET,
+            "timing": {"rounds": 3}, "candidates": candidates}
+    (out / "candidates.json").write_text(json.dumps(spec, indent=1))
+    bench = subprocess.run(["worldfoundry", "bench", "--candidates", str(out / "candidates.json"), "--quality-only",
+                            "--out", str(out / "bench")], capture_output=True, text=True)
+    if bench.returncode != 0:
+        print(bench.stderr.strip()[-800:], file=sys.stderr)
+        return bench.returncode
+    results = json.loads((out / "bench" / "results.json").read_text())
+    print(f"{'variant':<24} {'rel L2':>8} {'PSNR dB':>8} {'min SSIM':>9}  within draft budget")
+    for c in results["candidates"]:
+        worst = c["quality"]["worst"]
+        print(f"{c['name']:<24} {worst['latent_rel_l2']:8.4f} {float(worst['psnr_db']):8.2f} "
+              f"{worst['min_ssim']:9.4f}  {all(c['within_budget'].values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
