@@ -8,7 +8,8 @@ without peers. Prints per candidate both verdicts, medians and CI half-widths, t
 
     python benchmarks/bench/w17_stability.py [--time-budget 12] [--model wan2.1-t2v-1.3b]
 
-The two runs can also be made in two device calls (each call has a time limit): ``--runs a`` writes the
+The summary is written after each run. ``--call-limit S`` (a device call's limit, e.g. 570) skips run B when run
+A leaves too little time for it. The two runs can also be made in two device calls: ``--runs a`` writes the
 summary of run A only; ``--runs b --previous path/to/w17_stability.json`` runs B and compares it with the A of
 that earlier summary (the comparison then spans two processes, and possibly two machines: a stricter test).
 """
@@ -52,6 +53,31 @@ def _row(c: dict[str, Any]) -> tuple[str, str, str]:
     return c["verdict"], med, hw
 
 
+def record(summary: dict[str, Any], tag: str, res: dict[str, Any] | None, peers: list[str] | None,
+           out: Path) -> None:
+    """Fold run ``tag`` into ``summary`` and write ``w17_stability.json`` (after each run: a call cut short keeps
+    what finished)."""
+    if not res:
+        return
+    summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
+                            "decision_threshold": res.get("decision_threshold"),
+                            "control_halfwidth": res["dense"]["control"].get("halfwidth"),
+                            "wall_s": res["wall_s"], "host_speed": res.get("host_speed"),
+                            "host_gate": res.get("host_gate")}
+    for c in res["candidates"]:
+        summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
+    if peers:
+        summary["peers"] = []
+        for peer in res.get("peers", []):
+            sp = peer.get("speed") or {}
+            summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
+                                     peer["verdict"], "median": sp.get("speedup"),
+                                     "halfwidth": sp.get("halfwidth"), "warmup_s": peer.get("warmup_s"),
+                                     "rel_l2": peer.get("latent_rel_l2")})
+    (out / "w17_stability.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"run {tag} done in {res['wall_s']:.0f} s; summary written", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
@@ -61,6 +87,9 @@ def main() -> int:
                    help="seconds each run may hold timed generations for a fast host phase (default: the bench's)")
     p.add_argument("--runs", default="a,b", help="which runs to make here: a (with peers), b, or a,b")
     p.add_argument("--previous", default=None, help="an earlier w17_stability.json whose runs are kept")
+    p.add_argument("--call-limit", type=float, default=None,
+                   help="seconds this process may take in all (a device call's limit): run B is skipped, and the "
+                        "command for it printed, when run A leaves less than 1.1 x its own wall")
     p.add_argument("--no-peers", action="store_true", help="run A without the peer rows (both runs then time "
                                                             "the same candidates only)")
     args = p.parse_args()
@@ -73,27 +102,15 @@ def main() -> int:
     if args.previous:
         summary = json.loads(Path(args.previous).read_text(encoding="utf-8"))
     peers = None if args.no_peers else ["eager", "compile", "fbcache", "dbcache", "float8"]
+    started = time.perf_counter()
     a = one_run("w17a", out, args, peers) if "a" in runs else None
+    record(summary, "a", a, peers, out)
+    if "b" in runs and a and args.call_limit and args.call_limit - (time.perf_counter() - started) < 1.1 * a["wall_s"]:
+        print(f"run B skipped: {args.call_limit - (time.perf_counter() - started):.0f} s left of --call-limit, run A "
+              f"took {a['wall_s']:.0f} s (run B alone: --runs b --previous {out / 'w17_stability.json'})")
+        runs.discard("b")
     b = one_run("w17b", out, args, None) if "b" in runs else None
-    if a and peers:
-        summary["peers"] = []
-    for tag, res in (("a", a), ("b", b)):
-        if res:
-            summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
-                                    "decision_threshold": res.get("decision_threshold"),
-                                    "control_halfwidth": res["dense"]["control"].get("halfwidth"),
-                                    "wall_s": res["wall_s"], "host_speed": res.get("host_speed"),
-                                    "host_gate": res.get("host_gate")}
-            for c in res["candidates"]:
-                summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
-    if a and peers:
-        for peer in a.get("peers", []):
-            sp = peer.get("speed") or {}
-            summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
-                                     peer["verdict"], "median": sp.get("speedup"),
-                                     "halfwidth": sp.get("halfwidth"), "warmup_s": peer.get("warmup_s"),
-                                     "rel_l2": peer.get("latent_rel_l2")})
-    (out / "w17_stability.json").write_text(json.dumps(summary, indent=2, default=str))
+    record(summary, "b", b, None, out)
     print(f"\n{'candidate':28} {'verdict A':26} {'med A':>7} {'hw A':>10} | {'verdict B':26} {'med B':>7} {'hw B':>10}")
     same = True
     for name, runs in summary["candidates"].items():
