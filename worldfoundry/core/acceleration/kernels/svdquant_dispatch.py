@@ -65,9 +65,12 @@ W4F8_MIN_CAPABILITY: Final = (8, 9)
 REASON_NO_FP8_TC: Final = "gpu below sm_89 lacks fp8 tensor cores"
 REASON_GROUPED: Final = "group-wise residual scales: W4A8 (W4F8 needs one scale per output channel)"
 #: Inputs wider than this quantize and project down in one kernel (:mod:`.int8_quant_lowrank`: ``x`` read from
-#: DRAM once instead of three times) when nothing else is asked. ``None``: never -- on the H200 the fused kernel
-#: made the W81 8960 -> 1536 Linear slower (2.08 ms total against 1.56 ms with the quantizer and the down
-#: projection as two kernels, ``benchmarks/kernels/svdquant.py``), so it runs only with ``fused_lowrank=True``.
+#: DRAM once instead of three times) when nothing else is asked. ``None``: never. With its first launch shape
+#: (32 rows x 256) the fused kernel made the W81 8960 -> 1536 Linear slower (2.08 ms against 1.56 ms,
+#: ``benchmarks/kernels/svdquant.py``); with the shape the H200 sweep picked since (64 x 128, 8 warps) the whole
+#: Linear measured faster fused at both FFN widths (``benchmarks/kernels/w4a8_linear.py``: 1.148 against 1.296 ms,
+#: 1.326 against 1.352 ms). It stays opt-in (``fused_lowrank=True``) until the GPU tests that compare the
+#: dispatch with the reference's separately rounded ``t`` have run with it.
 FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
 
 
