@@ -93,7 +93,9 @@ PERSISTENT_SWEEP = [PersistentTile(128, 256, 64, 8, 8, group_t=1), PersistentTil
                     PersistentTile(256, 128, 64, 8, 8, group_t=1), PersistentTile(64, 256, 64, 8, 4, group_t=1),
                     PersistentTile(128, 256, 64, 8, 8, group_t=1, unpack=0)]
 PINGPONG_SWEEP = [PingPongTile(), PingPongTile(128, 128, 64, 6, group_t=1), PingPongTile(128, 128, 64, 6, group_t=8),
-                  PingPongTile(64, 256, 64, 4), PingPongTile(64, 128, 128, 4), PingPongTile(128, 128, 64, 6, unpack=0)]
+                  PingPongTile(64, 256, 64, 4), PingPongTile(64, 128, 128, 4), PingPongTile(128, 128, 64, 6, unpack=0),
+                  PingPongTile(turns=False), PingPongTile(64, 256, 64, 4, turns=False),
+                  PingPongTile(128, 128, 64, 6, group_t=1, turns=False)]
 
 
 def quantize_rows(x: torch.Tensor, qmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ def test_tile_arithmetic() -> None:
 @pytest.mark.parametrize("kwargs", [dict(block_w=256, block_t=64), dict(block_w=32), dict(block_k=96),
                                     dict(block_t=250), dict(block_t=512), dict(stages=1), dict(stages=9),
                                     dict(group_t=0), dict(unpack=2), dict(block_w=128, block_t=256),
-                                    dict(block_w=128, block_k=128), dict(block_w=64, block_k=256)])
+                                    dict(block_w=128, block_k=128), dict(block_w=64, block_k=256), dict(turns=1)])
 def test_bad_tile_raises(kwargs) -> None:
     with pytest.raises(QuantizationInputError, match="PingPongTile"):
         PingPongTile(**kwargs)
@@ -133,7 +133,7 @@ def _kernel_matches(m: int, k: int, n: int, tile: PingPongTile) -> None:
 
 
 TILES = [DEFAULT_PINGPONG_TILE, PingPongTile(64, 256, 64, 4), PingPongTile(64, 128, 128, 4, group_t=1),
-         PingPongTile(128, 128, 64, 6, unpack=0)]
+         PingPongTile(128, 128, 64, 6, unpack=0), PingPongTile(turns=False), PingPongTile(64, 256, 64, 4, turns=False)]
 # K steps at block_k 64/128: 2/1, 6/3, 8/4, 24/12, 10/5; one tile (M=1), ragged M and N, more tiles
 # than programs with an odd count per program
 SMALL = [(1, 128, 64), (77, 384, 136), (1000, 512, 384), (300, 1536, 8960), (129, 640, 24)]

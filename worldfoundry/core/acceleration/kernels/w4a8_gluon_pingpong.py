@@ -3,7 +3,9 @@
 **Status: correct on an H200, and slower than the persistent kernel** -- its GPU tests pass (bitwise without the
 low-rank term; the W81 shapes included), but ``benchmarks/kernels/w4a8_gluon.py --kernels pingpong`` measured
 1.88 ms at every W81 FFN shape against 0.84-0.87 ms for :mod:`.w4a8_gluon_persistent` (``docs/performance.md``).
-Nothing dispatches to it; it is kept as a measured variant.
+Nothing dispatches to it; it is kept as a measured variant. Its turns cover the INT4 unpacking, so only one warpgroup
+unpacks at a time: ``PingPongTile(turns=False)`` runs both consumers' main loops at once (not yet run on a GPU; its
+tests and benchmark tiles are in place).
 
 Computes the same function as :func:`~.w4a8_gluon_persistent.gluon_w4a8_persistent_gemm`,
 ``bf16(float32(q_x[m] . q_w[n]) * s_w[n] * s_x[m] (+ t @ U.T) (+ b))``, with the same calling convention and
@@ -54,6 +56,11 @@ class PingPongTile(TileShape):
         stages: slots of each consumer's TMA ring (2 to 8; ``stages - 1`` K steps are loaded ahead).
         group_t: token bands sharing one output band in the tile order.
         unpack: INT4 unpacking (0 plain int8 ops, 1 PTX nibble ops on four bytes at once).
+        turns: the two consumers' main loops take turns (``True``, the ping-pong schedule) or run at the same time
+            on their own tiles (``False``). The turns cover the INT4 unpacking too, which runs on the CUDA cores
+            beside each ``wgmma``: with them only one warpgroup unpacks at a time, and the kernel measured 2.2x
+            slower than the persistent one on the H200; without them both unpack and multiply concurrently, as the
+            persistent kernel's two warpgroups do, and an epilogue still overlaps the other consumer's main loop.
     """
 
     block_w: int = 128
@@ -62,6 +69,7 @@ class PingPongTile(TileShape):
     stages: int = 6
     group_t: int = 2
     unpack: int = 1
+    turns: bool = True
 
     def __post_init__(self) -> None:
         bad = _tile_problem(self)
@@ -84,6 +92,8 @@ def _tile_problem(tile: PingPongTile) -> str:
         return "block_t must be a multiple of 16 in [32, 256]"
     if not 2 <= tile.stages <= 8 or tile.group_t < 1 or tile.unpack not in (0, 1):
         return "stages must be 2..8, group_t >= 1, unpack 0 or 1"
+    if not isinstance(tile.turns, bool):
+        return "turns must be True or False"
     if tile.block_w * tile.block_t > MAX_ACC_REGISTERS * WARPGROUP_THREADS:
         return f"block_w * block_t is over {MAX_ACC_REGISTERS} accumulator registers per thread of one warpgroup"
     if tile.block_w * tile.block_k > 4 * MAX_OPERAND_REGISTERS * WARPGROUP_THREADS:
@@ -121,8 +131,8 @@ def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: PingPongTile, di
     w4a8_pingpong_kernel[grid](
         x_desc, w_desc, scale, w_scale, t_desc, u_desc, bias, out_desc, m, n, k,
         W_SCALE_MUL=0.0625, LR_STEPS=rank // chunk if rank else 0, HAS_BIAS=bias is not None, STAGES=tile.stages,
-        GROUP_T=tile.group_t, INSTR_N=tile.instr_n(), UNPACK=tile.unpack, CONSUMER_REGS=CONSUMER_REGISTERS,
-        num_warps=4)
+        GROUP_T=tile.group_t, INSTR_N=tile.instr_n(), UNPACK=tile.unpack, TAKE_TURNS=tile.turns,
+        CONSUMER_REGS=CONSUMER_REGISTERS, num_warps=4)
 
 
 def check_pingpong_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,

@@ -1,8 +1,8 @@
 """Device code of the ping-pong W4A8 GEMM for Hopper in Gluon: two consumer warpgroups take alternate tiles.
 
-**Status: this kernel has been compiled for sm_90 but not yet run on a GPU** (no register spills; register operands
-of in-flight MMAs checked in the disassembly). Its numerics and speed are unmeasured until the CUDA tests and
-``benchmarks/kernels/w4a8_gluon.py --kernels pingpong`` have run on a Hopper GPU.
+**Status: correct on an H200 (its CUDA tests pass), 2.2x slower than the persistent kernel** with the turns. The
+turns cover the INT4 unpacking, so only one warpgroup unpacks at a time; ``TAKE_TURNS=False`` (``turns=False`` of
+the tile) lets both consumers run their main loops at once -- not yet run on a GPU.
 
 The schedule differs from :mod:`.w4a8_gluon_persistent_kernels` (whose tile order, INT4 unpacking and output store
 are reused from there) in how the work is shared:
@@ -151,9 +151,11 @@ if GLUON_AVAILABLE:
     def _consumer_partition(x_desc, w_desc, t_desc, u_desc, x_bufs, w_bufs, ready, turn, c_smem, out_desc, xs_ptr,
                             ws_ptr, b_ptr, M, N, K, CONSUMER: gl.constexpr, W_SCALE_MUL: gl.constexpr,
                             LR_STEPS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_T: gl.constexpr,
-                            STAGES: gl.constexpr, INSTR_N: gl.constexpr, UNPACK: gl.constexpr):
-        """One warpgroup: its own TMA ring and tiles ``j = CONSUMER, CONSUMER + 2, ...`` of this program; the main
-        loops of the two consumers take turns (``turn`` barriers), each epilogue runs beside the other's main loop."""
+                            STAGES: gl.constexpr, INSTR_N: gl.constexpr, UNPACK: gl.constexpr,
+                            TAKE_TURNS: gl.constexpr):
+        """One warpgroup: its own TMA ring and tiles ``j = CONSUMER, CONSUMER + 2, ...`` of this program; with
+        ``TAKE_TURNS`` the main loops of the two consumers take turns (``turn`` barriers) and each epilogue runs
+        beside the other's main loop; without, both run whenever their data is ready (nothing is shared)."""
         BLOCK_T: gl.constexpr = x_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = x_bufs.type.shape[2]
         BLOCK_W: gl.constexpr = w_bufs.type.shape[1]
@@ -181,10 +183,12 @@ if GLUON_AVAILABLE:
             xs = gl.load(xs_ptr + offs_tp, mask=offs_tp < M, other=0.0)
             if HAS_BIAS:
                 bias = gl.load(b_ptr + offs_w, mask=wmask, other=0.0).to(gl.float32)
-            mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))  # consumer 0 starts, then they alternate
+            if TAKE_TURNS:  # consumer 0 starts, then they alternate
+                mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))
             acc = _main_loop(descs, x_bufs, w_bufs, ready, i * steps, stream, acc_layout, CONSUMER, STAGES, GROUP_T,
                              LR_STEPS, UNPACK)
-            mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+            if TAKE_TURNS:
+                mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
             xs = gl.convert_layout(xs, gl.SliceLayout(0, acc_layout))
             out = acc.to(gl.float32) * gl.expand_dims(ws, 1) * gl.expand_dims(xs, 0)
             if LR_STEPS > 0:
@@ -199,7 +203,8 @@ if GLUON_AVAILABLE:
     def w4a8_pingpong_kernel(x_desc, w_desc, xs_ptr, ws_ptr, t_desc, u_desc, b_ptr, out_desc, M, N, K,
                              W_SCALE_MUL: gl.constexpr, LR_STEPS: gl.constexpr, HAS_BIAS: gl.constexpr,
                              STAGES: gl.constexpr, GROUP_T: gl.constexpr, INSTR_N: gl.constexpr,
-                             UNPACK: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                             UNPACK: gl.constexpr, TAKE_TURNS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
         """Persistent program of 8 warps: two rings, their barriers, the turn barriers, two output tiles, then the
         two consumer partitions (``STAGES`` slots per consumer)."""
         gl.static_assert(num_warps == 4, "the ping-pong kernel runs one warpgroup per consumer (num_warps=4)")
@@ -220,10 +225,10 @@ if GLUON_AVAILABLE:
         gl.warp_specialize([  # argument tuples inline: a tuple assigned to a name would turn constexprs into tensors
             (_consumer_partition, (x_desc, w_desc, t_desc, u_desc, x_first, w_first, r_first, turn, c_first, out_desc,
                                    xs_ptr, ws_ptr, b_ptr, M, N, K, 0, W_SCALE_MUL, LR_STEPS, HAS_BIAS, GROUP_T, STAGES,
-                                   INSTR_N, UNPACK)),
+                                   INSTR_N, UNPACK, TAKE_TURNS)),
             (_consumer_partition, (x_desc, w_desc, t_desc, u_desc, x_second, w_second, r_second, turn, c_second,
                                    out_desc, xs_ptr, ws_ptr, b_ptr, M, N, K, 1, W_SCALE_MUL, LR_STEPS, HAS_BIAS,
-                                   GROUP_T, STAGES, INSTR_N, UNPACK)),
+                                   GROUP_T, STAGES, INSTR_N, UNPACK, TAKE_TURNS)),
         ], [4], [CONSUMER_REGS])
 
 
