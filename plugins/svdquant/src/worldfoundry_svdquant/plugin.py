@@ -127,6 +127,8 @@ def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selec
     """Bind the artifact's weights, move dense weights to the host if asked, guard and wrap (all recorded)."""
     ledger = ExecutionLedger(PLUGIN_NAME)
     runtime = SVDQuantRuntime(opts, ledger)
+    # chosen on the model's device, before keep_original: cpu moves the dense weights to the host
+    fusion = FusedW4A8FFN if _fused_backend(opts, artifact, selected) == "w4a8" else FusedW4F8FFN
     with PatchRecorder(PLUGIN_NAME) as rec:
         for s in selected:
             runtime.add(s.path, s.module, artifact.weight(s.path, s.module.weight.device))
@@ -137,7 +139,6 @@ def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selec
                                                   plugin=PLUGIN_NAME)
         for s in selected:
             rec.wrap_forward(s.module, runtime.make_wrapper(s.path), name=PLUGIN_NAME)
-        fusion = FusedW4A8FFN if _fused_backend(opts, artifact, selected) == "w4a8" else FusedW4F8FFN
         for plan in fused:
             rec.wrap_forward(plan.ffn, fusion(runtime, plan).make_wrapper, name=PLUGIN_NAME)
         patches = rec.pop_all()

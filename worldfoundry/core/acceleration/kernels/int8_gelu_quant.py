@@ -33,18 +33,16 @@ import torch.nn.functional as F
 
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS, check_approximate
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
-from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import DEFAULT_BLOCK_K as QUANT_LOWRANK_BLOCK_K
-from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import DEFAULT_BLOCK_M as QUANT_LOWRANK_BLOCK_M
-from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import DEFAULT_WARPS as QUANT_LOWRANK_WARPS
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import check_quant_lowrank_operands
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
 from worldfoundry.errors import QuantizationInputError
 
-#: Rows per program, chunk width and warps on CUDA: the quantizer + low-rank kernel's launch shape (see
-#: :data:`~worldfoundry.core.acceleration.kernels.int8_quant_lowrank.DEFAULT_WARPS` for why four warps).
-DEFAULT_BLOCK_M: Final = QUANT_LOWRANK_BLOCK_M
-DEFAULT_BLOCK_K: Final = QUANT_LOWRANK_BLOCK_K
-DEFAULT_WARPS: Final = QUANT_LOWRANK_WARPS
+#: Rows per program, chunk width and warps on CUDA: the fastest launch shape at both W81 widths in the H200 grid
+#: of ``benchmarks/kernels/int8_lowrank_check.py`` (0.168 ms at K 1,536, 0.776 ms at 8,960; every shape of that
+#: grid equal across repeats).
+DEFAULT_BLOCK_M: Final = 16
+DEFAULT_BLOCK_K: Final = 128
+DEFAULT_WARPS: Final = 4
 
 if TRITON_AVAILABLE:
     import triton
