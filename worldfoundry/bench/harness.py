@@ -400,7 +400,7 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
             bar.update(0 if config.quality_only else rounds)
         record["speed"] = speed
         record["timing_mismatch"] = mismatches
-        bound = speed_bound(record["skipped"], model_calls(cfile.workload) * len(seeds))
+        bound = speed_bound(record["skipped"], model_calls(cfile.workload) * len(seeds), plugins=cand.accelerations)
         record["speed_bound"] = bound
         violation = bound_violation(speed, bound, config.extra["_timing_policy"].bound_tolerance)
         if violation:

@@ -19,8 +19,9 @@ bound on each candidate's speedup, and the noisy-host rule.
   blocks of two rounds whose first side alternates; after every switch one untimed generation of the
   switched-to arm runs first, so one-off costs of a switch (a CUDA graph
   captured again, weights built at the first call, allocator growth) stay out of both arms' timings.
-* :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k``; a measured
-  speedup above ``bound * (1 + tolerance)`` is ``invalid_timing``.
+* :func:`speed_bound`: a cache that ran ``k`` of ``n`` model calls cannot be faster than ``n / k`` (1 when it
+  skipped none), unless other plugins share the candidate; a measured speedup above ``bound * (1 + tolerance)``
+  is ``invalid_timing``.
 * :func:`timed_generate` runs each timed request with Python's garbage collector paused (:func:`gc_paused`); the
   harness collects and freezes what exists once the model is loaded, so the collections between requests stay
   short. With a :class:`~worldfoundry.bench.host_gate.HostGate` on the runner, each timed request first waits
@@ -35,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,16 +277,23 @@ def model_calls(workload: Mapping[str, Any]) -> int:
     return steps * branches
 
 
-def speed_bound(skipped: Mapping[str, Mapping[str, int]], calls: int) -> float | None:
-    """Upper bound ``n / k`` from the receipts' skipped model calls (``None`` when nothing was skipped).
+def speed_bound(skipped: Mapping[str, Mapping[str, int]], calls: int,
+                plugins: Collection[str] | None = None) -> float | None:
+    """Upper bound ``n / k`` from the receipts' skipped model calls, for a candidate of caches only.
+
+    A cache that ran all ``n`` calls (it reported its skipped work, and none was skipped) is bounded by 1: it
+    cannot be faster than the dense model. ``None`` when no cache reported, or when ``plugins`` names a plugin that
+    is not a cache (that one may make each call cheaper, so ``n / k`` does not bound the stack).
 
     Args:
-        skipped: per plugin ``{"steps": count}`` summed over the seeds of one pilot each.
+        skipped: per cache plugin (``role:feature_cache``) ``{"steps": count}`` summed over the seeds of one pilot
+            each (``{}``: nothing skipped).
         calls: model calls per request times the number of seeds summed in ``skipped``.
+        plugins: the candidate's plugin names (``None``: assume only the caches in ``skipped``).
     """
-    n_skipped = max((int(counts.get("steps", 0)) for counts in skipped.values()), default=0)
-    if n_skipped <= 0 or calls <= 0:
+    if not skipped or calls <= 0 or (plugins is not None and set(plugins) - set(skipped)):
         return None
+    n_skipped = max((int(counts.get("steps", 0)) for counts in skipped.values()), default=0)
     ran = calls - n_skipped
     return float("inf") if ran <= 0 else calls / ran
 
