@@ -28,6 +28,13 @@ VARIANTS: dict[str, list[str]] = {
     "ch-r128-gptq": ["--rank", "128", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
     "g64-r64-gptq": ["--rank", "64", "--group-size", "64", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
     "ch-rtn": ["--method", "rtn", "--group-size", "channel"],
+    # eight calibration seeds (11-18, never the evaluation seeds 42/43) instead of two: more calibration tokens
+    "ch-r64-gptq-s8": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq",
+                       "--seeds", *[str(s) for s in range(11, 19)]],
+    "g64-r64-gptq-s8": ["--rank", "64", "--group-size", "64", "--unsmoothed", "blocks.*", "--rounding", "gptq",
+                        "--seeds", *[str(s) for s in range(11, 19)]],
+    "ch-r32-gptq-s8": ["--rank", "32", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq",
+                       "--seeds", *[str(s) for s in range(11, 19)]],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
