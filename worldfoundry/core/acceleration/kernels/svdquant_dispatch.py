@@ -67,10 +67,10 @@ REASON_GROUPED: Final = "group-wise residual scales: W4A8 (W4F8 needs one scale 
 #: Inputs wider than this quantize and project down in one kernel (:mod:`.int8_quant_lowrank`: ``x`` read from
 #: DRAM once instead of three times) when nothing else is asked. ``None``: never. With its first launch shape
 #: (32 rows x 256) the fused kernel made the W81 8960 -> 1536 Linear slower (2.08 ms against 1.56 ms,
-#: ``benchmarks/kernels/svdquant.py``); with the shape the H200 sweep picked since (64 x 128, 8 warps) the whole
-#: Linear measured faster fused at both FFN widths (``benchmarks/kernels/w4a8_linear.py``: 1.148 against 1.296 ms,
-#: 1.326 against 1.352 ms). It stays opt-in (``fused_lowrank=True``) until the GPU tests that compare the
-#: dispatch with the reference's separately rounded ``t`` have run with it.
+#: ``benchmarks/kernels/svdquant.py``); with its current one (64 x 256, 8 warps) the whole Linear measured faster
+#: fused at both FFN widths on the H200 (``benchmarks/kernels/w4a8_linear.py``, interleaved against bf16: 1.175x
+#: against 1.090x, 0.936x against 0.867x). It stays opt-in (``fused_lowrank=True``) until the GPU tests that
+#: compare the dispatch with the reference's separately rounded ``t`` have run with it.
 FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
 
 
