@@ -350,9 +350,10 @@ def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], pol
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
     """The control pairs' policy: at least :data:`CONTROL_MIN_ROUNDS` rounds, up to twice the candidates' rounds,
-    twice the time budget and half the target half-width. The noise floor is the upper bound of a bootstrap CI of the median, which with 3 rounds is
-    simply the largest ratio (one pair straddling a change of the host's speed would declare the whole run noisy),
-    and with the candidates' target half-width it would sit about that far above 1."""
+    twice the time budget and half the target half-width. The noise floor is the upper bound of a bootstrap CI of
+    the median, which with 3 rounds is simply the largest ratio (one pair straddling a change of the host's speed
+    would declare the whole run noisy), and with the candidates' target half-width it would sit about that far
+    above 1."""
     rounds = max(policy.min_rounds, CONTROL_MIN_ROUNDS)
     return replace(policy, min_rounds=rounds, max_rounds=max(2 * policy.max_rounds, rounds),
                    budget_s=2 * policy.budget_s, target_halfwidth=policy.target_halfwidth / 2)
@@ -420,8 +421,8 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
 
 
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
-                tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
-                bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
+                tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry,
+                monitor: GpuSharingMonitor, bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
     """Interleaved paired rounds of the denoising loop (:func:`~worldfoundry.bench.timing.switching_pairs`: blocks
     of two rounds, one untimed generation after every install or uninstall); outputs checked against the pilots."""
     den = runner.pipe.components.denoiser

@@ -70,7 +70,8 @@ class TimingPolicy:
         budget_s: stop adding rounds for one candidate after this many seconds of timing.
         max_noise_floor: control CI upper bound above which the host is declared noisy.
         bound_tolerance: relative slack over the receipts bound.
-        estimator: ``step_floor`` (default) or ``paired_median`` (see :func:`~worldfoundry.bench.stats.summarize_speed`).
+        estimator: ``step_floor`` (default) or ``paired_median``
+            (see :func:`~worldfoundry.bench.stats.summarize_speed`).
         threshold: the decision threshold of the run (``None`` before the control pairs set it): a CI that
             straddles it when ``budget_s`` ends is undecided and gets more rounds.
         extend_factor: the budget multiple an undecided candidate may use (1 = never extended).

@@ -65,7 +65,8 @@ def select_from_artifact(model: nn.Module, artifact: SVDQuantArtifact,
     missing = [p for p in artifact.linears if not isinstance(names.get(p), nn.Linear)]
     if missing:
         raise AccelerationRefusedError(
-            PLUGIN_NAME, f"{artifact.file} was calibrated for Linears this model does not have: {', '.join(missing[:4])}"
+            PLUGIN_NAME,
+            f"{artifact.file} was calibrated for Linears this model does not have: {', '.join(missing[:4])}"
             "; calibrate again for this model")
     if include is None:
         return select_linears(model, list(artifact.linears), plugin=PLUGIN_NAME)
@@ -118,7 +119,8 @@ def _refuse_gradient_checkpointing(model: nn.Module) -> None:
 def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
     m = artifact.manifest
     return {"file": artifact.file, "format": m["format"], "method": m["method"], "rank": m["rank"],
-            "group_size": m["group_size"], "scale_grouping": describe_grouping(int(m["group_size"])), "alpha": m.get("alpha"), "include": list(m.get("include", [])),
+            "group_size": m["group_size"], "scale_grouping": describe_grouping(int(m["group_size"])),
+            "alpha": m.get("alpha"), "include": list(m.get("include", [])),
             "calibration_seeds": list((m.get("calibration") or {}).get("seeds", []))}
 
 
