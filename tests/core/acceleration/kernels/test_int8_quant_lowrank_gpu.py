@@ -38,3 +38,21 @@ def test_codes_bitwise_and_lowrank_within_one_ulp(m, k, rank, single):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     t_ref = (x.float() @ down.float().t()).to(torch.bfloat16).float()
     assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()
+
+
+@pytest.mark.parametrize("k", [1536, 8960])
+def test_default_launch_shapes_repeat_bitwise_at_w81(k):
+    """The default launch shapes of both fused input kernels give the same output on every run at the W81 FFN
+    shape (with triton 3.6 a 64 x 128 shape of the quantizer + low-rank kernel did not: ``t`` changed between runs,
+    ``benchmarks/kernels/int8_lowrank_check.py``)."""
+    from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(32760, k, generator=g, device="cuda").to(torch.bfloat16)
+    inv = torch.rand(k, generator=g, device="cuda") + 0.5
+    down = (torch.randn(32, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    for run in (lambda: triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False),
+                lambda: triton_gelu_quantize_rows_int8_lowrank(x, "tanh", inv, down)):
+        first = run()
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(run(), first))
