@@ -69,9 +69,8 @@ REASON_GROUPED: Final = "group-wise residual scales: W4A8 (W4F8 needs one scale 
 #: (32 rows x 256) the fused kernel made the W81 8960 -> 1536 Linear slower (2.08 ms against 1.56 ms,
 #: ``benchmarks/kernels/svdquant.py``); with its current one (64 x 256, 8 warps) the whole Linear measured faster
 #: fused at both FFN widths on the H200 (``benchmarks/kernels/w4a8_linear.py``, interleaved against bf16: 1.175x
-#: against 1.090x, 0.936x against 0.867x). It stays opt-in (``fused_lowrank=True``) until the GPU tests that
-#: compare the dispatch with the reference's separately rounded ``t`` have run with it.
-FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = None
+#: against 1.090x, 0.936x against 0.867x), so every width takes it.
+FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = 0
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         bias: optional ``[N]``.
         backend: ``auto``, ``w4a8``, ``w4a16`` or ``reference``.
         fused_lowrank: W4A8 only: quantize and project down in one kernel (``None``: when ``K`` exceeds
-            :data:`FUSED_QUANT_LOWRANK_MIN_K`, which is unset: never). Same codes either way.
+            :data:`FUSED_QUANT_LOWRANK_MIN_K`, 0: always). Same codes either way.
         scaled: W4F8 only: :func:`~worldfoundry.core.acceleration.kernels.w4f8_scaled_mm.prepare_scaled_mm` of
             ``weight`` (prepared here when ``None``; a weight it refuses runs W4A8, with the reason).
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation.
