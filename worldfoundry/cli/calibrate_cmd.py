@@ -61,6 +61,12 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounding", choices=["nearest", "gptq"], default="nearest",
                    help="INT4 residual rounded to nearest, or with GPTQ's error compensation under the calibration "
                         "inputs' second moments (K^2 floats per Linear collected; same artifact format)")
+    p.add_argument("--lowrank-fit", choices=["svd", "whitened"], default="svd",
+                   help="low-rank pair from the SVD of the smoothed weight, or the pair that least changes the "
+                        "calibration outputs (whitened by the inputs' second moments)")
+    p.add_argument("--refine", type=int, default=0, metavar="N",
+                   help="alternate N times between refitting the low-rank pair to what the INT4 codes left and "
+                        "requantizing; the decomposition with the least calibration-output error is kept")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
     p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
     p.add_argument("--frames", type=int, default=17)
@@ -99,12 +105,14 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
             pipe, include=args.include, prompts=args.prompts or CALIBRATION_PROMPTS, seeds=args.seeds,
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             references=args.save_references, method=args.method, rank=args.rank, group_size=args.group_size,
-            alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed, rounding=args.rounding)
+            alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed, rounding=args.rounding,
+            lowrank_fit=args.lowrank_fit, refine=args.refine)
     manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
     manifest["calibration"]["random_weights"] = bool(args.random_weights)
     out = save_svdquant_artifact(manifest, tensors, args.out)
     errors = {p: e["diagnostics"]["weight_rel_l2"] for p, e in manifest["linears"].items()}
-    return {"artifact": str(out), "method": manifest["method"], "rounding": args.rounding, "rank": manifest["rank"],
+    return {"artifact": str(out), "method": manifest["method"], "rounding": args.rounding,
+            "lowrank_fit": args.lowrank_fit, "refine": args.refine, "rank": manifest["rank"],
             "group_size": manifest["group_size"], "linears": len(errors),
             "weight_rel_l2_max": max(errors.values()), "weight_rel_l2": errors,
             "references": args.save_references}

@@ -126,6 +126,7 @@ def build_svdquant_artifact(
     method: str = "svdquant", rank: int = 32, group_size: int = 64, alpha: float = 0.5, svd: str = "full",
     include: Sequence[str] = (), calibration: Mapping[str, Any] | None = None,
     observer: InputAbsmaxObserver | None = None, unsmoothed: Sequence[str] = (), rounding: str = "nearest",
+    lowrank_fit: str = "svd", refine: int = 0,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Decompose every selected Linear and build the manifest and tensors of the artifact.
 
@@ -142,6 +143,9 @@ def build_svdquant_artifact(
             need smoothing less than INT8 ones; at run time their quantizer skips the per-channel ``1/λ``).
         rounding: ``"nearest"`` or ``"gptq"`` (error-compensating rounding of the INT4 residual under the inputs'
             second moments: the ``observer`` needs ``second_moments=True``).
+        lowrank_fit, refine: ``"svd"`` or ``"whitened"`` low-rank fit, and refinement steps against the residual's
+            error (:mod:`~worldfoundry.core.acceleration.quantization.lowrank_fit`; anything but ``"svd"`` / 0 needs
+            the second moments too).
 
     Returns:
         ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
@@ -152,7 +156,7 @@ def build_svdquant_artifact(
     """
     if method not in METHODS:
         raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
-    _check_rounding(rounding, observer)
+    _check_rounding(rounding, observer, lowrank_fit, refine)
     if method == "rtn":
         rank, absmax = 0, None
     elif absmax is None:
@@ -170,8 +174,9 @@ def build_svdquant_artifact(
         b_digest = next(digests) if s.module.bias is not None else None
         with torch.no_grad():
             q = decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
-                          act_absmax=stats, alpha=alpha, svd=svd,
-                          hessian=observer.moments[s.path] if rounding == "gptq" else None)
+                          act_absmax=stats, alpha=alpha, svd=svd, rounding=rounding,
+                          hessian=observer.moments[s.path] if needs_moments(rounding, lowrank_fit, refine) else None,
+                          lowrank_fit=lowrank_fit if rank else "svd", refine=refine if rank else 0)
         for name, tensor in q.tensors().items():
             tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
         linears[s.path] = _linear_record(s, q, w_digest, b_digest, observer)
@@ -180,14 +185,28 @@ def build_svdquant_artifact(
     if unsmoothed:
         manifest["unsmoothed"] = [str(p) for p in unsmoothed]
     manifest["calibration"]["rounding"] = rounding
+    manifest["calibration"]["lowrank_fit"] = lowrank_fit
+    manifest["calibration"]["refine"] = int(refine)
     return manifest, tensors
 
 
-def _check_rounding(rounding: str, observer: InputAbsmaxObserver | None) -> None:
+def needs_moments(rounding: str, lowrank_fit: str = "svd", refine: int = 0) -> bool:
+    """Whether the decomposition needs the inputs' second moments ``X^T X`` (``K^2`` floats per Linear)."""
+    return rounding == "gptq" or lowrank_fit != "svd" or bool(refine)
+
+
+def _check_rounding(rounding: str, observer: InputAbsmaxObserver | None, lowrank_fit: str, refine: int) -> None:
+    from worldfoundry.core.acceleration.quantization.lowrank_fit import LOWRANK_FITS, MAX_REFINE
+
     if rounding not in ROUNDINGS:
         raise InvalidRequestError(f"--rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
-    if rounding == "gptq" and (observer is None or not observer.second_moments):
-        raise InvalidRequestError("--rounding gptq needs the inputs' second moments (calibrate with it set)")
+    if lowrank_fit not in LOWRANK_FITS:
+        raise InvalidRequestError(f"--lowrank-fit must be one of {list(LOWRANK_FITS)}, got {lowrank_fit!r}")
+    if isinstance(refine, bool) or not isinstance(refine, int) or not 0 <= refine <= MAX_REFINE:
+        raise InvalidRequestError(f"--refine must be an integer in [0, {MAX_REFINE}], got {refine!r}")
+    if needs_moments(rounding, lowrank_fit, refine) and (observer is None or not observer.second_moments):
+        raise InvalidRequestError(f"--rounding {rounding} --lowrank-fit {lowrank_fit} --refine {refine} needs the "
+                                  "inputs' second moments (calibrate with them collected)")
 
 
 def _unsmoothed_paths(model: nn.Module, selected: Sequence[SelectedLinear], patterns: Sequence[str]) -> set[str]:
@@ -269,7 +288,8 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         seeds: calibration seeds (11, 12 by default).
         frames, height, width, steps, guidance: request size (recipe defaults when ``None``).
         references: directory receiving ``calibration_<seed>.pt`` (``{"latents", "video"}``) per request.
-        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed``, ``rounding`` for
+        **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed``, ``rounding``,
+            ``lowrank_fit``, ``refine`` for
             :func:`build_svdquant_artifact`.
 
     Returns:
@@ -291,7 +311,9 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         raise InvalidRequestError("calibrate the dense model: uninstall its accelerations first")
     selected = select_for_calibration(model, include)
     out_dir = Path(references) if references is not None else None
-    with InputAbsmaxObserver(selected, second_moments=decomposition.get("rounding") == "gptq") as observer:
+    moments = needs_moments(decomposition.get("rounding", "nearest"), decomposition.get("lowrank_fit", "svd"),
+                            decomposition.get("refine", 0))
+    with InputAbsmaxObserver(selected, second_moments=moments) as observer:
         sources = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, frames=frames, height=height,
                                         width=width, steps=steps, guidance=guidance)
                    for i, seed in enumerate(seeds)]

@@ -154,7 +154,9 @@ def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: flo
     return (a.pow(alpha) / w.pow(1.0 - alpha)).clamp_(SMOOTH_MIN, SMOOTH_MAX)
 
 
-def _svd(matrix: torch.Tensor, rank: int, method: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def svd_top(matrix: torch.Tensor, rank: int, method: str, seed: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """The top ``rank`` singular triplets ``(u [N, r], s [r], vh [r, K])``: exact, or randomized (seeded)."""
     if method == "full":
         u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
         return u[:, :rank], s[:rank], vh[:rank]
@@ -166,8 +168,8 @@ def _svd(matrix: torch.Tensor, rank: int, method: str, seed: int) -> tuple[torch
 
 
 def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: torch.Tensor | None = None,
-              alpha: float = 0.5, svd: str = "full", seed: int = 0,
-              hessian: torch.Tensor | None = None) -> SVDQuantWeight:
+              alpha: float = 0.5, svd: str = "full", seed: int = 0, hessian: torch.Tensor | None = None,
+              rounding: str | None = None, lowrank_fit: str = "svd", refine: int = 0) -> SVDQuantWeight:
     """Split a Linear weight into smoothing, a bfloat16 rank-``r`` pair and an INT4 residual.
 
     Args:
@@ -178,16 +180,57 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         alpha: smoothing migration strength.
         svd: ``"full"`` (exact) or ``"randomized"`` (``torch.svd_lowrank``, 4 power iterations, seeded).
         seed: seed of the randomized SVD.
-        hessian: the calibration inputs' second moments ``X^T X`` ``[K, K]``: the INT4 residual is then rounded
-            with error compensation (:mod:`~worldfoundry.core.acceleration.quantization.gptq_rounding`, under the
-            smoothed inputs' moments) instead of to nearest; same codes and scales format.
+        hessian: the calibration inputs' second moments ``X^T X`` ``[K, K]`` (taken under the smoothing).
+        rounding: ``"gptq"`` (error compensation under ``hessian``,
+            :mod:`~worldfoundry.core.acceleration.quantization.gptq_rounding`) or ``"nearest"``; ``None``: GPTQ
+            when ``hessian`` is given. Same codes and scales format.
+        lowrank_fit: ``"svd"`` (SVD of the smoothed weight) or ``"whitened"`` (the pair that least changes the
+            calibration outputs, :mod:`~worldfoundry.core.acceleration.quantization.lowrank_fit`; needs ``hessian``).
+        refine: alternate refitting the pair to what the codes left and requantizing, this many times, keeping
+            the decomposition with the least output error (needs ``hessian`` and ``rank > 0``).
 
     Returns:
         :class:`SVDQuantWeight` on the weight's device. ``rank = 0`` without ``act_absmax`` is INT4 RTN.
 
     Raises:
-        QuantizationInputError: bad shapes, rank above ``min(N, K)``, unknown ``svd`` or group size.
+        QuantizationInputError: bad shapes, rank above ``min(N, K)``, unknown ``svd``, fit or group size.
     """
+    from worldfoundry.core.acceleration.quantization import lowrank_fit as fit
+
+    _check_decompose(weight, rank, svd)
+    rounding = ("gptq" if hessian is not None else "nearest") if rounding is None else rounding
+    if rounding not in ("nearest", "gptq") or (rounding == "gptq" and hessian is None):
+        raise QuantizationInputError(f"decompose: rounding {rounding!r} must be 'nearest' or 'gptq' (gptq needs the "
+                                     "inputs' second moments)")
+    fit.check_fit(lowrank_fit, refine, hessian is not None, rank)
+    w = weight.detach().float()
+    smooth = inv_smooth = None
+    if act_absmax is not None:
+        smooth = smoothing_factors(act_absmax, w, alpha)
+        inv_smooth = (1.0 / smooth).contiguous()
+        w = w * smooth
+    moments = None
+    if hessian is not None:
+        from worldfoundry.core.acceleration.quantization.gptq_rounding import smoothed_hessian
+
+        moments = (hessian if smooth is None else smoothed_hessian(hessian, smooth)).to(w.device)
+    whiten = fit.whitening_factor(moments) if moments is not None and (lowrank_fit == "whitened" or refine) else None
+    parts = _split(w, w, rank, group_size, smooth, moments if rounding == "gptq" else None,
+                   whiten if lowrank_fit == "whitened" else None, svd, seed)
+    best = (fit.output_error(w - parts[3], whiten), parts)
+    for _ in range(refine):
+        target = w - dequantize_int4_groupwise(parts[0], parts[1], group_size)
+        parts = _split(w, target, rank, group_size, smooth, moments if rounding == "gptq" else None,
+                       whiten if lowrank_fit == "whitened" else None, svd, seed)
+        error = fit.output_error(w - parts[3], whiten)
+        if error < best[0]:
+            best = (error, parts)
+    qweight, scales, lowrank, _ = best[1]
+    down, up = lowrank if lowrank is not None else (None, None)
+    return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
+
+
+def _check_decompose(weight: torch.Tensor, rank: int, svd: str) -> None:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise QuantizationInputError(f"decompose: expected a 2-D float weight, got {tuple(weight.shape)}")
     n, k = weight.shape
@@ -195,31 +238,31 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         raise QuantizationInputError(f"decompose: rank must be an integer in [0, {min(n, k)}], got {rank!r}")
     if svd not in SVD_METHODS:
         raise QuantizationInputError(f"decompose: svd must be one of {list(SVD_METHODS)}, got {svd!r}")
-    w = weight.detach().float()
-    inv_smooth = None
-    smooth = None
-    if act_absmax is not None:
-        smooth = smoothing_factors(act_absmax, w, alpha)
-        inv_smooth = (1.0 / smooth).contiguous()
-        w = w * smooth
-    down = up = None
+
+
+def _split(w: torch.Tensor, target: torch.Tensor, rank: int, group_size: int, smooth: torch.Tensor | None,
+           moments: torch.Tensor | None, whiten: torch.Tensor | None, svd: str, seed: int) -> tuple:
+    """``(qweight, scales, (down, up) or None, smoothed effective weight)``: the pair fitted to ``target`` (in the
+    smoothed space), rounded to bfloat16, then the INT4 residual ``w - U D`` rounded (GPTQ under ``moments``)."""
+    from worldfoundry.core.acceleration.quantization.lowrank_fit import fit_lowrank
+
+    lowrank = None
     residual = w
     if rank > 0:
-        u, s, vh = _svd(w, rank, svd, seed)
-        root = s.clamp_min(0).sqrt()
-        up = (u * root).to(LOWRANK_DTYPE).contiguous()
-        down_smoothed = root[:, None] * vh
-        down = (down_smoothed if inv_smooth is None else down_smoothed * inv_smooth).to(LOWRANK_DTYPE).contiguous()
+        up_f, down_smoothed = fit_lowrank(target, rank, whiten=whiten, svd=svd, seed=seed)
+        up = up_f.to(LOWRANK_DTYPE).contiguous()
+        down = (down_smoothed if smooth is None else down_smoothed * (1.0 / smooth)).to(LOWRANK_DTYPE).contiguous()
         acting = down.float() if smooth is None else down.float() * smooth
         residual = w - up.float() @ acting
-    if hessian is None:
+        lowrank = (down, up)
+    if moments is None:
         qweight, scales = quantize_int4_groupwise(residual, group_size)
     else:
-        from worldfoundry.core.acceleration.quantization.gptq_rounding import gptq_quantize_int4, smoothed_hessian
+        from worldfoundry.core.acceleration.quantization.gptq_rounding import gptq_quantize_int4
 
-        moments = hessian if smooth is None else smoothed_hessian(hessian, smooth)
-        qweight, scales = gptq_quantize_int4(residual, moments.to(residual.device), group_size)
-    return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
+        qweight, scales = gptq_quantize_int4(residual, moments, group_size)
+    effective = dequantize_int4_groupwise(qweight, scales, group_size) + (w - residual)
+    return qweight, scales, lowrank, effective
 
 
 def weight_rel_error(weight: torch.Tensor, quantized: SVDQuantWeight) -> float:
