@@ -35,6 +35,15 @@ VARIANTS: dict[str, list[str]] = {
                         "--seeds", *[str(s) for s in range(11, 19)]],
     "ch-r32-gptq-s8": ["--rank", "32", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq",
                        "--seeds", *[str(s) for s in range(11, 19)]],
+    # the low-rank pair fitted to the calibration outputs, and refined against what the INT4 codes left
+    "ch-r64-gptq-whitened": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding",
+                             "gptq", "--lowrank-fit", "whitened"],
+    "ch-r64-gptq-refine4": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding",
+                            "gptq", "--refine", "4"],
+    "ch-r64-gptq-whitened-refine4": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                     "--rounding", "gptq", "--lowrank-fit", "whitened", "--refine", "4"],
+    "ch-r32-gptq-whitened-refine4": ["--rank", "32", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                     "--rounding", "gptq", "--lowrank-fit", "whitened", "--refine", "4"],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}

@@ -143,9 +143,7 @@ def build_svdquant_artifact(
             need smoothing less than INT8 ones; at run time their quantizer skips the per-channel ``1/λ``).
         rounding: ``"nearest"`` or ``"gptq"`` (error-compensating rounding of the INT4 residual under the inputs'
             second moments: the ``observer`` needs ``second_moments=True``).
-        lowrank_fit, refine: ``"svd"`` or ``"whitened"`` low-rank fit, and refinement steps against the residual's
-            error (:mod:`~worldfoundry.core.acceleration.quantization.lowrank_fit`; anything but ``"svd"`` / 0 needs
-            the second moments too).
+        lowrank_fit, refine: low-rank fit and refinement steps (``lowrank_fit`` module; need the moments).
 
     Returns:
         ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
@@ -154,17 +152,12 @@ def build_svdquant_artifact(
         InvalidRequestError: unknown method, missing or non-finite statistics, a Linear that saw no input, or an
             ``unsmoothed`` pattern that selects no Linear of the calibration.
     """
-    if method not in METHODS:
-        raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
-    _check_rounding(rounding, observer, lowrank_fit, refine)
+    _check_settings(method, rounding, observer, lowrank_fit, refine)
     if method == "rtn":
         rank, absmax = 0, None
     elif absmax is None:
         raise InvalidRequestError("svdquant calibration needs activation statistics (run the calibration requests)")
-    params = []
-    for s in selected:
-        params += [s.module.weight] + ([s.module.bias] if s.module.bias is not None else [])
-    digests = iter(parameter_digests(params))
+    digests = iter(parameter_digests([p for s in selected for p in (s.module.weight, s.module.bias) if p is not None]))
     linears: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     plain = _unsmoothed_paths(model, selected, unsmoothed)
@@ -172,10 +165,10 @@ def build_svdquant_artifact(
         stats = None if s.path in plain else _finite_stats(absmax, s.path)
         w_digest = next(digests)
         b_digest = next(digests) if s.module.bias is not None else None
+        moments = observer.moments[s.path] if needs_moments(rounding, lowrank_fit, refine) else None
         with torch.no_grad():
             q = decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
-                          act_absmax=stats, alpha=alpha, svd=svd, rounding=rounding,
-                          hessian=observer.moments[s.path] if needs_moments(rounding, lowrank_fit, refine) else None,
+                          act_absmax=stats, alpha=alpha, svd=svd, rounding=rounding, hessian=moments,
                           lowrank_fit=lowrank_fit if rank else "svd", refine=refine if rank else 0)
         for name, tensor in q.tensors().items():
             tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
@@ -195,9 +188,12 @@ def needs_moments(rounding: str, lowrank_fit: str = "svd", refine: int = 0) -> b
     return rounding == "gptq" or lowrank_fit != "svd" or bool(refine)
 
 
-def _check_rounding(rounding: str, observer: InputAbsmaxObserver | None, lowrank_fit: str, refine: int) -> None:
+def _check_settings(method: str, rounding: str, observer: InputAbsmaxObserver | None, lowrank_fit: str,
+                    refine: int) -> None:
     from worldfoundry.core.acceleration.quantization.lowrank_fit import LOWRANK_FITS, MAX_REFINE
 
+    if method not in METHODS:
+        raise InvalidRequestError(f"--method must be one of {list(METHODS)}, got {method!r}")
     if rounding not in ROUNDINGS:
         raise InvalidRequestError(f"--rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
     if lowrank_fit not in LOWRANK_FITS:

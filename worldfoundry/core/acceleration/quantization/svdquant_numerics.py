@@ -214,20 +214,32 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         from worldfoundry.core.acceleration.quantization.gptq_rounding import smoothed_hessian
 
         moments = (hessian if smooth is None else smoothed_hessian(hessian, smooth)).to(w.device)
+    down, up, qweight, scales = _fit_and_round(w, rank, group_size, smooth, moments, rounding == "gptq",
+                                               lowrank_fit, refine, svd, seed)
+    return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
+
+
+def _fit_and_round(w: torch.Tensor, rank: int, group_size: int, smooth: torch.Tensor | None,
+                   moments: torch.Tensor | None, gptq: bool, lowrank_fit: str, refine: int, svd: str,
+                   seed: int) -> tuple:
+    """``(down, up, qweight, scales)`` of the smoothed weight ``w``: the first split, then ``refine`` refits of
+    the pair to ``w - deq(codes)``, keeping the split with the least output error."""
+    from worldfoundry.core.acceleration.quantization import lowrank_fit as fit
+
     whiten = fit.whitening_factor(moments) if moments is not None and (lowrank_fit == "whitened" or refine) else None
-    parts = _split(w, w, rank, group_size, smooth, moments if rounding == "gptq" else None,
-                   whiten if lowrank_fit == "whitened" else None, svd, seed)
+    rounding_moments = moments if gptq else None
+    fit_whiten = whiten if lowrank_fit == "whitened" else None
+    parts = _split(w, w, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed)
     best = (fit.output_error(w - parts[3], whiten), parts)
     for _ in range(refine):
         target = w - dequantize_int4_groupwise(parts[0], parts[1], group_size)
-        parts = _split(w, target, rank, group_size, smooth, moments if rounding == "gptq" else None,
-                       whiten if lowrank_fit == "whitened" else None, svd, seed)
+        parts = _split(w, target, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed)
         error = fit.output_error(w - parts[3], whiten)
         if error < best[0]:
             best = (error, parts)
     qweight, scales, lowrank, _ = best[1]
     down, up = lowrank if lowrank is not None else (None, None)
-    return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
+    return down, up, qweight, scales
 
 
 def _check_decompose(weight: torch.Tensor, rank: int, svd: str) -> None:
