@@ -90,3 +90,22 @@ def test_calibrate_unsmoothed_linears(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 1 and "--unsmoothed 'blocks.*.ffn.2' selects none of the calibrated Linears" in err
     assert not (tmp_path / "v.json").exists()
+
+
+def test_calibrate_with_a_refined_whitened_fit_records_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w.json"
+    rc = main(["calibrate", "--json", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--frames", "5",
+               "--steps", "2", "--rank", "8", "--lowrank-fit", "whitened", "--refine", "2", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["lowrank_fit"] == "whitened" and summary["refine"] == 2
+    cal = load_svdquant_artifact(out).manifest["calibration"]
+    assert (cal["lowrank_fit"], cal["refine"], cal["rounding"]) == ("whitened", 2, "nearest")
+
+
+def test_calibrate_refuses_a_bad_refine_before_running_requests(tmp_path: Path, capsys) -> None:
+    rc = main(["calibrate", "svdquant", "--recipe", "no-such-recipe", "--refine", "17", "--out",
+               str(tmp_path / "a.json")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--refine must be an integer in [0, 16], got 17" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "a.json").exists()

@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from worldfoundry.errors import WorldFoundryError
+from worldfoundry.errors import InvalidRequestError, WorldFoundryError
 
 DEFAULT_RECIPE = "tiny-wan2.1-trained"
 DEFAULT_INCLUDE = ("blocks.*.ffn.0", "blocks.*.ffn.2")
@@ -95,6 +95,10 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
     from worldfoundry.core.acceleration.quantization.svdquant_artifact import save_svdquant_artifact
     from worldfoundry.core.model_loading.policy import RuntimePolicy
 
+    from worldfoundry.core.acceleration.quantization.lowrank_fit import MAX_REFINE
+
+    if not 0 <= args.refine <= MAX_REFINE:  # refused before the calibration requests run
+        raise InvalidRequestError(f"--refine must be an integer in [0, {MAX_REFINE}], got {args.refine}")
     policy_kwargs: dict[str, Any] = {"device": args.device}
     if args.dtype is not None:
         policy_kwargs["dtype"] = args.dtype

@@ -1,5 +1,5 @@
-"""The Python examples of docs/svdquant.md run (the first three; the fourth is a configuration fragment) and
-print what the page says."""
+"""The Python examples of docs/svdquant.md run (all but the configuration fragment) and print or assert what the
+page says."""
 
 from __future__ import annotations
 
@@ -12,9 +12,21 @@ ROOT = Path(__file__).resolve().parents[3]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+def _blocks() -> list[str]:
+    """The page's Python blocks, the low-rank refinement example (the calibration section's first) left out."""
+    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    assert "refine=3" in blocks[0]
+    return blocks[1:]
+
+
+def test_refinement_example_runs() -> None:
+    block = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())[0]
+    exec(compile(block, "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example (asserts inside)
+
+
 def test_python_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.delenv(PLUGIN_ALLOWLIST_ENV, raising=False)
-    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    blocks = _blocks()
     assert len(blocks) == 4 and "RuntimePolicy(" in blocks[3]
     exec(compile(blocks[0], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
     lines = capsys.readouterr().out.strip().splitlines()
@@ -23,7 +35,7 @@ def test_python_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
 
 
 def test_per_channel_example_runs(capsys) -> None:  # noqa: ANN001
-    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    blocks = _blocks()
     exec(compile(blocks[1], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
     shapes, result = capsys.readouterr().out.strip().splitlines()[-2:]
     assert shapes == "(1, 64) (64, 128)"
@@ -31,7 +43,7 @@ def test_per_channel_example_runs(capsys) -> None:  # noqa: ANN001
 
 
 def test_w4f8_example_runs(capsys) -> None:  # noqa: ANN001
-    blocks = _BLOCK.findall((ROOT / "docs" / "svdquant.md").read_text())
+    blocks = _blocks()
     assert "w4f8_linear_reference" in blocks[2]
     exec(compile(blocks[2], "docs/svdquant.md", "exec"), {})  # noqa: S102 - the page's own example
     result = capsys.readouterr().out.strip().splitlines()[-1]
