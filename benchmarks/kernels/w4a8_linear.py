@@ -6,9 +6,10 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 
 * ``bf16_linear_bias``: ``F.linear(x, w, bias)`` (cuBLAS), the anchor;
 * ``svdquant_linear``: :func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.svdquant_linear` with
-  ``backend="w4a8"``, exactly what the plugin calls (quantizer and low-rank GEMM separate, then the persistent
-  Gluon GEMM);
-* ``svdquant_linear_fused_input``: the same with ``fused_lowrank=True`` (quantizer and low-rank in one kernel);
+  ``backend="w4a8"``, exactly what the plugin calls (its default input side, then the persistent Gluon GEMM);
+* ``svdquant_linear_fused_input``: the same with ``fused_lowrank=True`` (quantizer and low-rank in one kernel,
+  the default since ``FUSED_QUANT_LOWRANK_MIN_K = 0``);
+* ``svdquant_linear_two_kernels``: the same with ``fused_lowrank=False`` (quantizer and low-rank GEMM separate);
 * ``gemm_only``: the persistent GEMM with precomputed codes, scales and ``t`` (what the input side costs is the
   difference);
 * for the down projection (K 8960) with its producer, as the plugin's ``fuse_gelu`` runs an FFN:
@@ -66,11 +67,15 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
     t = F.linear(x, down)
     ran = {"svdquant_linear": svdquant_linear(x, weight, bias, backend="w4a8")[1].backend,
            "svdquant_linear_fused_input": svdquant_linear(x, weight, bias, backend="w4a8",
-                                                          fused_lowrank=True)[1].backend}
+                                                          fused_lowrank=True)[1].backend,
+           "svdquant_linear_two_kernels": svdquant_linear(x, weight, bias, backend="w4a8",
+                                                          fused_lowrank=False)[1].backend}
     fns = {"bf16_linear_bias": lambda: F.linear(x, w, bias),
            "svdquant_linear": lambda: svdquant_linear(x, weight, bias, backend="w4a8"),
            "svdquant_linear_fused_input": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
                                                                   fused_lowrank=True),
+           "svdquant_linear_two_kernels": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
+                                                                  fused_lowrank=False),
            "gemm_only": lambda: gluon_w4a8_persistent_gemm(q, s, weight, t, bias)}
     if k == 8960:
         h = (torch.randn(M_TOKENS, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
