@@ -124,3 +124,18 @@ def test_reestimate_redecides_a_committed_run_with_a_minimum_gain(capsys) -> Non
     assert rows["cuda-graph+mha-self+static-kv"].endswith("| no_stable_gain")
     assert rows["easycache-0.1"].endswith("| no_stable_gain")
     assert rows["block-fusion+cuda-graph"].endswith("| recommended")
+
+
+def test_reference_step_floor_resamples_the_candidate_only() -> None:
+    from worldfoundry.bench.floor import DenseFloorReference, reference_step_floor
+
+    ref = DenseFloorReference()
+    ref.update([[0.08, 0.08], [0.07, 0.09]], [42, 42])  # per-step minima 0.07 + 0.08
+    cand = [[0.05, 0.05], [0.06, 0.05], [0.05, 0.06]]
+    out = reference_step_floor(cand, [42, 42, 42], ref)
+    assert out["speedup"] == pytest.approx(0.15 / 0.10) and out["dense_floor_s"] == pytest.approx(0.15)
+    low, high = out["ci95"]
+    assert 0.15 / 0.12 - 1e-9 <= low <= out["speedup"] <= high <= 0.15 / 0.10 + 1e-9
+    assert reference_step_floor(cand[:1], [42], ref)["ci95"][0] != reference_step_floor(cand[:1], [42], ref)["ci95"][0]
+    assert reference_step_floor(cand, [43, 43, 43], ref) is None  # a seed the reference has not seen
+    assert reference_step_floor([[0.05], [0.05, 0.05]], [42, 42], ref) is None  # steps that do not line up

@@ -327,6 +327,29 @@ def test_a_slow_phase_that_never_ends_stops_at_the_extended_budget() -> None:
     policy = TimingPolicy(min_rounds=3, max_rounds=50, budget_s=4.0, dense_reference=ref)
     out = run_rounds(lambda r: (_steps(0.1), _steps(0.08)), policy, clock=_fake_clock(1.0))
     assert out["stopped"] == "target" and out["rounds"] == 10 and out["dense_excess"] == pytest.approx(0.25)
+    # the dense arm never left the slow phase: the speedup stands against the run's dense floor, not its own
+    assert out["dense_floor_source"] == "run_reference" and out["speedup"] == pytest.approx(1.0)
+    assert out["pair_estimate"]["speedup"] == pytest.approx(1.25) and out["halfwidth"] == pytest.approx(0.0)
+
+
+def test_only_a_dense_arm_still_slow_at_the_end_is_replaced_by_the_reference() -> None:
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    ref.update([[0.080] * 4], [42])
+    policy = TimingPolicy(min_rounds=4, max_rounds=4, budget_s=100.0, dense_reference=ref)
+    # a dense arm 1 % above the reference (within the 2 % target): the pair's own floor stands
+    near = run_rounds(lambda r: (_steps(0.0808), _steps(0.064)), policy, clock=_fake_clock(1.0))
+    assert "dense_floor_source" not in near and near["speedup"] == pytest.approx(0.0808 / 0.064)
+    # a dense arm 40 % slower in every round, a candidate the host does not slow (a CUDA graph): against its own
+    # dense arm the stack would read 1.75x; against the run's dense floor 1.25x, its CI from the candidate's rounds
+    jitter = [0.064, 0.0645, 0.064, 0.0641]
+    slow = run_rounds(lambda r: (_steps(0.112), _steps(jitter[r])), policy, clock=_fake_clock(1.0))
+    assert slow["dense_floor_source"] == "run_reference"
+    assert slow["speedup"] == pytest.approx(0.080 / 0.064) and slow["pair_estimate"]["speedup"] == pytest.approx(1.75)
+    low, high = slow["ci95"]
+    assert 0.080 / 0.0645 - 1e-9 <= low <= slow["speedup"] <= high <= 0.080 / 0.064 + 1e-9
+    assert slow["reference_step_floor"]["dense_floor_s"] == pytest.approx(0.32)
 
 
 @settings(max_examples=60, deadline=None)
@@ -340,3 +363,18 @@ def test_rounds_never_pass_the_extended_budget(ratios, threshold, budget, factor
     # the clock reads 1, 2, ... from the third round on: past factor x budget no round is added
     assert out["rounds"] <= min(40, int(factor * budget) + 3)
     assert out["extended"] <= out["rounds"] - 3
+
+
+@settings(max_examples=50, deadline=None)
+@given(slow=st.floats(1.0, 2.0), cand=st.lists(st.floats(0.03, 0.09), min_size=4, max_size=4))
+def test_the_reference_estimate_never_raises_a_speedup(slow: float, cand: list[float]) -> None:
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    ref.update([[0.080] * 4], [42])
+    policy = TimingPolicy(min_rounds=4, max_rounds=4, budget_s=100.0, dense_reference=ref)
+    out = run_rounds(lambda r: (_steps(0.080 * slow), _steps(cand[r])), policy, clock=_fake_clock(1.0))
+    if "dense_floor_source" in out:
+        assert slow > 1.02 and out["speedup"] <= out["pair_estimate"]["speedup"] * (1 + 1e-12)
+    else:
+        assert slow <= 1.02 + 1e-9

@@ -14,6 +14,12 @@ Its 95 % CI is a paired, seed-stratified percentile bootstrap: the rounds of eac
 replacement (the same rounds for both sides), and the floor ratio is recomputed. A seed timed only once has no
 spread to resample, so the CI is undefined (``nan``) until every seed has two rounds.
 
+A pair whose dense floor still sits above the run's reference when its rounds end (see below) is estimated
+against that reference instead (:func:`reference_step_floor`: the run's fastest dense time of every step over the
+pair's candidate floor, its CI resampling the candidate's rounds only): its own dense arm was measurably slowed by
+the host, which would inflate the speedup (on a noisy H200 host a CUDA-graph stack read 2.10× against its slowed
+dense arm and 1.51× against the run's dense floor).
+
 :class:`DenseFloorReference` keeps, over a whole run, the fastest dense time of every step of every seed (control
 pairs and each candidate's dense arm: the same model doing the same work). A pair whose dense floor sits well above
 it was timed in a slow phase of the host that outlasted the pair, which a floor of a few rounds cannot remove; the
@@ -111,6 +117,29 @@ class DenseFloorReference:
     def to_json(self) -> dict[str, float]:
         """Per seed, the reference floor in seconds."""
         return {str(g): float(v.sum()) for g, v in self._mins.items()}
+
+
+def reference_step_floor(cand: Sequence[Sequence[float]], groups: Sequence[Any],
+                         reference: DenseFloorReference) -> dict[str, Any] | None:
+    """The step-floor speedup of ``cand`` against ``reference``'s dense floor of the same seeds, with a
+    seed-stratified percentile bootstrap of the candidate's rounds; ``None`` when a seed is unknown to the
+    reference or the step lists do not line up."""
+    parts = _grouped(cand, cand, groups)
+    ref = reference.floor(groups)
+    if parts is None or not ref:
+        return None
+    c_floor = sum(float(c.min(axis=0).sum()) for _, c in parts)
+    if not c_floor > 0:
+        return None
+    ci: tuple[float, float] = (float("nan"), float("nan"))
+    if all(c.shape[0] >= 2 for _, c in parts):
+        rng = np.random.default_rng(0)
+        c_tot = np.zeros(RESAMPLES)
+        for _, c in parts:
+            c_tot += c[rng.integers(0, c.shape[0], size=(RESAMPLES, c.shape[0]))].min(axis=1).sum(axis=1)
+        low, high = np.percentile(ref / c_tot, [2.5, 97.5])
+        ci = (float(low), float(high))
+    return {"speedup": ref / c_floor, "ci95": list(ci), "dense_floor_s": ref, "candidate_floor_s": c_floor}
 
 
 def _bootstrap(parts: list[tuple[np.ndarray, np.ndarray]], seed: int = 0) -> tuple[float, float]:

@@ -124,6 +124,12 @@ def _candidate_details(c: dict[str, Any]) -> list[str]:
         details.append(f"  - skipped work: {json.dumps(c['skipped'])}")
     if c.get("timing_mismatch"):
         details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
+    speed = c.get("speed") or {}
+    if speed.get("dense_floor_source") == "run_reference":
+        pair = speed["pair_estimate"]
+        details.append(f"  - speedup against the run's dense floor: this pair's dense arm stayed "
+                       f"{speed['dense_excess']:.0%} above it (host slow phase); against its own dense arm "
+                       f"{pair['speedup']:.3f}× [{pair['ci95'][0]:.3f}, {pair['ci95'][1]:.3f}]")
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []

@@ -14,7 +14,10 @@ bound on each candidate's speedup, and the noisy-host rule.
   estimate is the policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries. A candidate whose
   arms ran on hosts of different speed (:func:`~worldfoundry.bench.host_speed.host_split` of the interpreter probes
-  the samples carry above the policy's ``host_tolerance``) gets more rounds the same way.
+  the samples carry above the policy's ``host_tolerance``) gets more rounds the same way. A pair whose dense floor is
+  still that far above the reference when its rounds end is estimated against the reference instead
+  (:func:`~worldfoundry.bench.floor.reference_step_floor`; ``dense_floor_source: "run_reference"``, the pair's own
+  estimate kept as ``pair_estimate``): a dense arm slowed by the host would otherwise inflate the speedup.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
   blocks of two rounds whose first side alternates; after every switch one untimed generation of the
   switched-to arm runs first, so one-off costs of a switch (a CUDA graph
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 
 from worldfoundry.base_models.diffusion_model.runner import BETWEEN_STEPS
-from worldfoundry.bench.floor import DenseFloorReference
+from worldfoundry.bench.floor import DenseFloorReference, reference_step_floor
 from worldfoundry.bench.host_speed import host_split, probe_ms
 from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
 
@@ -213,10 +216,25 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
             extended += 1
     if not summary:
         summary = summarize()
+    excess = dense_excess(summary, policy.dense_reference)
+    reference_fallback(summary, policy, excess)
     summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
-                   target_halfwidth=policy.target_halfwidth,
-                   dense_excess=dense_excess(summary, policy.dense_reference))
+                   target_halfwidth=policy.target_halfwidth, dense_excess=excess)
     return summary
+
+
+def reference_fallback(summary: dict[str, Any], policy: TimingPolicy, excess: float | None) -> None:
+    """Re-estimate a pair whose dense arm stayed slower than the run's dense floor (``excess`` above the target
+    half-width) against that floor (:func:`~worldfoundry.bench.floor.reference_step_floor`); the pair's own
+    estimate is kept as ``pair_estimate`` and ``dense_floor_source`` says which one stands."""
+    if excess is None or excess <= policy.target_halfwidth or summary.get("estimator") != "step_floor":
+        return
+    alt = reference_step_floor(summary["steps_s"]["candidate"], summary["groups"], policy.dense_reference)
+    if alt is None or alt["ci95"][0] != alt["ci95"][0]:
+        return
+    summary["pair_estimate"] = {"speedup": summary["speedup"], "ci95": summary["ci95"]}
+    summary.update(speedup=alt["speedup"], ci95=alt["ci95"], dense_floor_source="run_reference",
+                   reference_step_floor=alt)
 
 
 @dataclass(frozen=True)
