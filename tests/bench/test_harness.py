@@ -275,11 +275,16 @@ def test_report_renders_without_timing(tmp_path: Path) -> None:
 
 def test_report_names_a_speedup_taken_against_the_run_dense_floor(tmp_path: Path) -> None:
     speed = {"speedup": 1.51, "ci95": [1.50, 1.52], "halfwidth": 0.007, "rounds": 5, "dense_excess": 0.417,
-             "dense_floor_source": "run_reference", "pair_estimate": {"speedup": 2.097, "ci95": [2.070, 2.107]}}
+             "dense_floor_source": "run_reference", "pair_estimate": {"speedup": 2.097, "ci95": [2.070, 2.107]},
+             "candidate_host_share": 0.04}
+    host_bound = {**speed, "dense_floor_source": "pair", "candidate_host_share": 0.97, "speedup": 1.32}
     results = {"model": "m", "git": {"revision": "abc", "dirty": False}, "environment": {"device": "cpu"},
                "budget": {"latent_rel_l2": 0.03, "psnr_db": 33.0, "min_ssim": 0.98}, "workload": {},
                "seeds": [1], "rounds": 5, "dense": {}, "candidates": [
-                   {"name": "stack", "verdict": "recommended", "accelerations": {"a": {}}, "speed": speed}]}
+                   {"name": "stack", "verdict": "recommended", "accelerations": {"a": {}}, "speed": speed},
+                   {"name": "eager", "verdict": "recommended", "accelerations": {"b": {}}, "speed": host_bound}]}
     text = write_report(results, tmp_path).read_text()
-    assert ("speedup against the run's dense floor: this pair's dense arm stayed 42% above it (host slow phase); "
-            "against its own dense arm 2.097× [2.070, 2.107]") in text
+    assert ("speedup against the run's dense floor: this pair's dense arm stayed 42% above the run's dense floor "
+            "(host slow phase), and the candidate was device-bound (host busy 4% of its steps); against its own "
+            "dense arm 2.097× [2.070, 2.107]") in text
+    assert "the candidate was host-bound too (host busy 97% of its steps), so its own pair's estimate stands" in text

@@ -327,29 +327,53 @@ def test_a_slow_phase_that_never_ends_stops_at_the_extended_budget() -> None:
     policy = TimingPolicy(min_rounds=3, max_rounds=50, budget_s=4.0, dense_reference=ref)
     out = run_rounds(lambda r: (_steps(0.1), _steps(0.08)), policy, clock=_fake_clock(1.0))
     assert out["stopped"] == "target" and out["rounds"] == 10 and out["dense_excess"] == pytest.approx(0.25)
-    # the dense arm never left the slow phase: the speedup stands against the run's dense floor, not its own
-    assert out["dense_floor_source"] == "run_reference" and out["speedup"] == pytest.approx(1.0)
-    assert out["pair_estimate"]["speedup"] == pytest.approx(1.25) and out["halfwidth"] == pytest.approx(0.0)
+    # the dense arm never left the slow phase, but nothing says the candidate was bound by the device (no host
+    # times recorded): the pair's own estimate stands
+    assert out["dense_floor_source"] == "pair" and out["candidate_host_share"] is None
+    assert out["speedup"] == pytest.approx(1.25) == out["pair_estimate"]["speedup"]
 
 
-def test_only_a_dense_arm_still_slow_at_the_end_is_replaced_by_the_reference() -> None:
+def _hosted(seconds: float, share: float, n: int = 4):
+    """A sample whose steps kept the host busy for ``share`` of their time."""
+    from worldfoundry.bench.timing import Timed
+
+    return Timed(seconds * n, (seconds,) * n, 42, host_steps=(seconds * share,) * n)
+
+
+def test_a_slowed_dense_arm_gives_way_to_the_reference_only_for_a_device_bound_candidate() -> None:
     from worldfoundry.bench.floor import DenseFloorReference
 
     ref = DenseFloorReference()
     ref.update([[0.080] * 4], [42])
     policy = TimingPolicy(min_rounds=4, max_rounds=4, budget_s=100.0, dense_reference=ref)
-    # a dense arm 1 % above the reference (within the 2 % target): the pair's own floor stands
-    near = run_rounds(lambda r: (_steps(0.0808), _steps(0.064)), policy, clock=_fake_clock(1.0))
+    # a dense arm 1 % above the reference (within the 2 % target): the pair's own floor stands, nothing recorded
+    near = run_rounds(lambda r: (_hosted(0.0808, 1.0), _hosted(0.064, 0.1)), policy, clock=_fake_clock(1.0))
     assert "dense_floor_source" not in near and near["speedup"] == pytest.approx(0.0808 / 0.064)
-    # a dense arm 40 % slower in every round, a candidate the host does not slow (a CUDA graph): against its own
-    # dense arm the stack would read 1.75x; against the run's dense floor 1.25x, its CI from the candidate's rounds
+    # a dense arm 40 % slower in every round, a candidate the host does not slow (a CUDA graph: the host busy for
+    # 10 % of each step): against its own dense arm it would read 1.75x; against the run's dense floor 1.25x,
+    # its CI from the candidate's rounds
     jitter = [0.064, 0.0645, 0.064, 0.0641]
-    slow = run_rounds(lambda r: (_steps(0.112), _steps(jitter[r])), policy, clock=_fake_clock(1.0))
-    assert slow["dense_floor_source"] == "run_reference"
+    slow = run_rounds(lambda r: (_hosted(0.112, 1.0), _hosted(jitter[r], 0.1)), policy, clock=_fake_clock(1.0))
+    assert slow["dense_floor_source"] == "run_reference" and slow["candidate_host_share"] == pytest.approx(0.1)
     assert slow["speedup"] == pytest.approx(0.080 / 0.064) and slow["pair_estimate"]["speedup"] == pytest.approx(1.75)
     low, high = slow["ci95"]
     assert 0.080 / 0.0645 - 1e-9 <= low <= slow["speedup"] <= high <= 0.080 / 0.064 + 1e-9
     assert slow["reference_step_floor"]["dense_floor_s"] == pytest.approx(0.32)
+    # the same slow phase with a host-bound candidate (host busy the whole step): it slowed with its dense arm,
+    # so the pair's own ratio stands
+    bound = run_rounds(lambda r: (_hosted(0.112, 1.0), _hosted(0.0896, 0.99)), policy, clock=_fake_clock(1.0))
+    assert bound["dense_floor_source"] == "pair" and bound["speedup"] == pytest.approx(1.25)
+    assert bound["candidate_host_share"] == pytest.approx(0.99)
+
+
+def test_host_share_is_the_median_and_needs_aligned_times() -> None:
+    from worldfoundry.bench.timing import host_share
+
+    summary = {"steps_s": {"candidate": [[0.1, 0.1], [0.1, 0.2]]}, "host_steps_s": {"candidate": [[0.01, 0.05],
+                                                                                                  [0.02, 0.2]]}}
+    assert host_share(summary) == pytest.approx(0.35)  # shares 0.1, 0.5, 0.2, 1.0
+    assert host_share({"steps_s": {"candidate": [[0.1]]}, "host_steps_s": {"candidate": [[]]}}) is None
+    assert host_share({"steps_s": {"candidate": [[0.1]]}}) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -373,8 +397,9 @@ def test_the_reference_estimate_never_raises_a_speedup(slow: float, cand: list[f
     ref = DenseFloorReference()
     ref.update([[0.080] * 4], [42])
     policy = TimingPolicy(min_rounds=4, max_rounds=4, budget_s=100.0, dense_reference=ref)
-    out = run_rounds(lambda r: (_steps(0.080 * slow), _steps(cand[r])), policy, clock=_fake_clock(1.0))
+    out = run_rounds(lambda r: (_hosted(0.080 * slow, 1.0), _hosted(cand[r], 0.2)), policy, clock=_fake_clock(1.0))
     if "dense_floor_source" in out:
         assert slow > 1.02 and out["speedup"] <= out["pair_estimate"]["speedup"] * (1 + 1e-12)
+        assert out["dense_floor_source"] == "run_reference"
     else:
         assert slow <= 1.02 + 1e-9

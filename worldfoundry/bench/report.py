@@ -124,15 +124,27 @@ def _candidate_details(c: dict[str, Any]) -> list[str]:
         details.append(f"  - skipped work: {json.dumps(c['skipped'])}")
     if c.get("timing_mismatch"):
         details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
-    speed = c.get("speed") or {}
-    if speed.get("dense_floor_source") == "run_reference":
-        pair = speed["pair_estimate"]
-        details.append(f"  - speedup against the run's dense floor: this pair's dense arm stayed "
-                       f"{speed['dense_excess']:.0%} above it (host slow phase); against its own dense arm "
-                       f"{pair['speedup']:.3f}× [{pair['ci95'][0]:.3f}, {pair['ci95'][1]:.3f}]")
+    details += _dense_floor_note(c.get("speed") or {})
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
+
+
+def _dense_floor_note(speed: dict[str, Any]) -> list[str]:
+    """What the report says of a pair whose dense arm stayed slower than the run's dense floor."""
+    source = speed.get("dense_floor_source")
+    if source is None:
+        return []
+    slowed = f"this pair's dense arm stayed {speed['dense_excess']:.0%} above the run's dense floor (host slow phase)"
+    share = speed.get("candidate_host_share")
+    if source == "pair":
+        why = "the candidate was host-bound too" if share is not None else "the candidate's host time was not recorded"
+        return [f"  - {slowed}; {why}{'' if share is None else f' (host busy {share:.0%} of its steps)'}, so its "
+                "own pair's estimate stands"]
+    pair = speed["pair_estimate"]
+    return [f"  - speedup against the run's dense floor: {slowed}, and the candidate was device-bound (host busy "
+            f"{share:.0%} of its steps); against its own dense arm {pair['speedup']:.3f}× "
+            f"[{pair['ci95'][0]:.3f}, {pair['ci95'][1]:.3f}]"]
 
 
 def _sharing(results: dict[str, Any]) -> str:

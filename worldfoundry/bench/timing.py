@@ -15,9 +15,11 @@ bound on each candidate's speedup, and the noisy-host rule.
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries. A candidate whose
   arms ran on hosts of different speed (:func:`~worldfoundry.bench.host_speed.host_split` of the interpreter probes
   the samples carry above the policy's ``host_tolerance``) gets more rounds the same way. A pair whose dense floor is
-  still that far above the reference when its rounds end is estimated against the reference instead
+  still that far above the reference when its rounds end, and whose candidate was bound by the device (the host
+  busy for at most :data:`DEVICE_BOUND_HOST_SHARE` of its steps), is estimated against the reference instead
   (:func:`~worldfoundry.bench.floor.reference_step_floor`; ``dense_floor_source: "run_reference"``, the pair's own
-  estimate kept as ``pair_estimate``): a dense arm slowed by the host would otherwise inflate the speedup.
+  estimate kept as ``pair_estimate``): a dense arm slowed by the host would otherwise inflate the speedup of a
+  candidate the host does not slow.
 * :func:`switching_pairs`: paired rounds of two arms that share one model (install/uninstall, apply/undo), in
   blocks of two rounds whose first side alternates; after every switch one untimed generation of the
   switched-to arm runs first, so one-off costs of a switch (a CUDA graph
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -148,13 +151,15 @@ class Timed:
     steps: tuple[float, ...] = ()
     group: Any = None
     host_ms: float | None = None
+    #: per step, the host's part of it (until its work was issued; empty: not recorded)
+    host_steps: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, seconds: float, phases: Mapping[str, Any], seed: int) -> Timed:
         """From :func:`timed_generate`'s seconds and phases."""
         probe = phases.get("host_probe_ms")
         return cls(float(seconds), tuple(float(x) for x in phases.get("steps_s") or ()), seed,
-                   None if probe is None else float(probe))
+                   None if probe is None else float(probe), tuple(float(x) for x in phases.get("host_steps_s") or ()))
 
 
 def _sample(x: float | Timed) -> Timed:
@@ -183,16 +188,6 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     summary: dict[str, Any] = {}
     extended = 0
 
-    def summarize() -> dict[str, Any]:
-        steps = {"dense": [list(x.steps) for x in dense], "candidate": [list(x.steps) for x in cand]}
-        groups = [x.group for x in dense]
-        out = summarize_speed([x.seconds for x in dense], [x.seconds for x in cand], steps=steps, groups=groups,
-                              estimator=policy.estimator)
-        probes = {"dense": [x.host_ms for x in dense], "candidate": [x.host_ms for x in cand]}
-        out.update(steps_s=steps, groups=groups, host_probe_ms=probes,
-                   host_split=host_split(probes["dense"], probes["candidate"]))
-        return out
-
     for r in range(policy.max_rounds):
         d, c = pair(r)
         dense.append(_sample(d))
@@ -201,7 +196,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
             on_round()
         if len(dense) < policy.min_rounds:
             continue
-        summary = summarize()
+        summary = _summarize(dense, cand, policy)
         narrow = ci_halfwidth(summary) <= policy.target_halfwidth
         elapsed = clock() - start
         if narrow or elapsed >= policy.budget_s:
@@ -215,7 +210,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
                 break
             extended += 1
     if not summary:
-        summary = summarize()
+        summary = _summarize(dense, cand, policy)
     excess = dense_excess(summary, policy.dense_reference)
     reference_fallback(summary, policy, excess)
     summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
@@ -223,16 +218,51 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     return summary
 
 
+def _summarize(dense: list[Timed], cand: list[Timed], policy: TimingPolicy) -> dict[str, Any]:
+    """:func:`~worldfoundry.bench.stats.summarize_speed` of the rounds so far, with their per-step and host data."""
+    arms = {"dense": dense, "candidate": cand}
+    steps = {k: [list(x.steps) for x in v] for k, v in arms.items()}
+    groups = [x.group for x in dense]
+    out = summarize_speed([x.seconds for x in dense], [x.seconds for x in cand], steps=steps, groups=groups,
+                          estimator=policy.estimator)
+    probes = {k: [x.host_ms for x in v] for k, v in arms.items()}
+    out.update(steps_s=steps, host_steps_s={k: [list(x.host_steps) for x in v] for k, v in arms.items()},
+               groups=groups, host_probe_ms=probes, host_split=host_split(probes["dense"], probes["candidate"]))
+    return out
+
+
+#: A candidate whose steps kept the host busy for at most this share of their time (median over its steps) was
+#: bound by the device, not the host: a slow phase of the host did not lengthen them.
+DEVICE_BOUND_HOST_SHARE = 0.8
+
+
+def host_share(summary: Mapping[str, Any], side: str = "candidate") -> float | None:
+    """Median over ``side``'s steps of the host's part of each step (``None``: not recorded or not aligned)."""
+    host = (summary.get("host_steps_s") or {}).get(side) or []
+    steps = (summary.get("steps_s") or {}).get(side) or []
+    shares = [h / t for hs, ts in zip(host, steps) if len(hs) == len(ts) for h, t in zip(hs, ts) if t > 0]
+    if not shares or len(host) != len(steps):
+        return None
+    return float(statistics.median(shares))
+
+
 def reference_fallback(summary: dict[str, Any], policy: TimingPolicy, excess: float | None) -> None:
     """Re-estimate a pair whose dense arm stayed slower than the run's dense floor (``excess`` above the target
-    half-width) against that floor (:func:`~worldfoundry.bench.floor.reference_step_floor`); the pair's own
-    estimate is kept as ``pair_estimate`` and ``dense_floor_source`` says which one stands."""
+    half-width) against that floor (:func:`~worldfoundry.bench.floor.reference_step_floor`) when the candidate's
+    steps were bound by the device (:func:`host_share` at most :data:`DEVICE_BOUND_HOST_SHARE`), so the slow
+    phase that lengthened the dense arm did not lengthen them. A host-bound candidate slowed with its dense arm:
+    its pair's own estimate stands (``dense_floor_source: "pair"``). The pair's own estimate is kept as
+    ``pair_estimate`` either way."""
     if excess is None or excess <= policy.target_halfwidth or summary.get("estimator") != "step_floor":
+        return
+    share = host_share(summary)
+    summary.update(pair_estimate={"speedup": summary["speedup"], "ci95": summary["ci95"]},
+                   dense_floor_source="pair", candidate_host_share=share)
+    if share is None or share > DEVICE_BOUND_HOST_SHARE:
         return
     alt = reference_step_floor(summary["steps_s"]["candidate"], summary["groups"], policy.dense_reference)
     if alt is None or alt["ci95"][0] != alt["ci95"][0]:
         return
-    summary["pair_estimate"] = {"speedup": summary["speedup"], "ci95": summary["ci95"]}
     summary.update(speedup=alt["speedup"], ci95=alt["ci95"], dense_floor_source="run_reference",
                    reference_step_floor=alt)
 
@@ -420,5 +450,6 @@ def timed_generate(runner: Any, seed: int, tag: str) -> tuple[Any, float, dict[s
     between = float(result.timings.get("between_steps_s") or 0.0)  # the waits: after a step's sync, GPU idle
     seconds = timer.seconds - between if timer.seconds is not None else result.timings["denoise_s"]
     phases = {"denoise_event_s": seconds, "encode_s": result.timings.get("encode_s"),
-              "steps_s": list(result.timings.get("steps_s", [])), "host_probe_ms": probe}
+              "steps_s": list(result.timings.get("steps_s", [])),
+              "host_steps_s": list(result.timings.get("host_steps_s", [])), "host_probe_ms": probe}
     return result, seconds, phases

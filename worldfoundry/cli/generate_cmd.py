@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"latents": result.latents.cpu(), "receipts": result.receipts}, out)
     summary = {"request_id": result.request_id, "out": str(out), "latents_shape": list(result.latents.shape),
-               "timings": {k: v for k, v in result.timings.items() if k != "steps_s"},
+               "timings": {k: v for k, v in result.timings.items() if k not in ("steps_s", "host_steps_s")},
                "random_weights": result.provenance.get("random_weights"),
                "accelerations": (result.receipts.get("installed") or {}).get("names", [])}
     print(json.dumps(summary, indent=2))

@@ -47,6 +47,9 @@ def test_tiny_recipe_end_to_end_is_deterministic(name: str) -> None:
     else:
         assert a.audio_latents is not None and torch.isfinite(a.audio_latents).all()
     assert len(a.timings["steps_s"]) == 4 or name == "tiny-wan2.2-a14b"
+    # each step's host part (until its work was issued) is recorded beside it, never longer than the step
+    assert len(a.timings["host_steps_s"]) == len(a.timings["steps_s"])
+    assert all(0 <= h <= t for h, t in zip(a.timings["host_steps_s"], a.timings["steps_s"]))
 
 
 def test_same_pipeline_two_instances_same_weights() -> None:
