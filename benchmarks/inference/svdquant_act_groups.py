@@ -8,10 +8,11 @@ budget) with one artifact (``--artifact``, default: calibrate per channel, rank 
 ``--out``), each time with the torch reference of the W4A8 Linear replaced in-process by a variant:
 
 * ``per-token`` -- the shipped numerics (one scale per token), as a check that the replacement changes nothing;
-* ``group-G`` -- one scale per token and group of ``G`` input channels (``G`` 256, 128, 64);
+* ``group-G`` -- one scale per token and group of ``G`` input channels (``G`` 256, 128, 64;
+  ``w4a8_linear_reference(act_group=G)``, integer-exact per group);
 * ``unquantized`` -- the INT4 residual and low-rank branch with float32 activations (the bound).
 
-Numerics only: no kernel computes the grouped variants yet. Prints one row per variant and writes
+Numerics only (the torch references): no kernel computes the grouped variants yet. Prints one row per variant and writes
 ``act_groups.json`` under ``--out``.
 
     python benchmarks/inference/svdquant_act_groups.py --out /tmp/act-groups       # about 2 minutes
@@ -43,23 +44,18 @@ VARIANTS = ("per-token", "group-256", "group-128", "group-64", "unquantized")
 
 
 def grouped_reference(group: int | None):  # noqa: ANN201 - a drop-in for w4a8_linear_reference
-    """The W4A8 reference Linear with activations quantized per token and group of ``group`` channels
-    (``None``: not quantized)."""
+    """The W4A8 reference Linear with activation scales per token and group of ``group`` channels
+    (``w4a8_linear_reference(act_group=...)``), or (``None``) with float32 activations."""
 
     def linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if group is not None:
+            return w4a8_linear_reference(x, weight, bias, act_group=min(group, weight.in_features))
         x2d = x.reshape(-1, weight.in_features)
         xs = x2d.float() if weight.inv_smooth is None else x2d.float() * weight.inv_smooth.float()
-        if group is not None:
-            g = min(group, xs.shape[1])
-            parts = xs.reshape(xs.shape[0], -1, g)
-            scale = parts.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 127.0
-            xs = (torch.round(parts / scale).clamp(-127, 127) * scale).reshape(xs.shape)
         out = xs @ dequantize_int4_groupwise(weight.qweight, weight.scales, weight.group_size).t()
         low = lowrank_reference(x2d, weight)
-        if low is not None:
-            out = out + low
-        if bias is not None:
-            out = out + bias.float()
+        out = out if low is None else out + low
+        out = out if bias is None else out + bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
 
     return linear

@@ -56,12 +56,7 @@ def quantize_rows_int8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) 
     Raises:
         QuantizationInputError: not a float tensor, or ``inv_smooth`` has the wrong length.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
-        raise QuantizationInputError(f"quantize_rows_int8: expected a float tensor, got {type(x).__name__}")
-    if inv_smooth is not None and inv_smooth.shape != (x.shape[-1],):
-        raise QuantizationInputError(
-            f"quantize_rows_int8: inv_smooth has shape {tuple(inv_smooth.shape)}, expected ({x.shape[-1]},)"
-        )
+    _check_rows(x, inv_smooth, "quantize_rows_int8")
     rows = smoothed_rows(x, inv_smooth)
     amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
     # Tensor-by-tensor divisions: torch computes ``number / tensor`` as ``reciprocal(tensor) * number`` and, on
@@ -73,9 +68,45 @@ def quantize_rows_int8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) 
     return q, scale
 
 
+def quantize_rows_int8_grouped(x: torch.Tensor, inv_smooth: torch.Tensor | None, group: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token INT8 with one scale per token **and group of** ``group`` input channels: each group of a row is
+    quantized as :func:`quantize_rows_int8` quantizes a whole row (the same float32 operations).
+
+    This is what a producer that quantizes its output tile by tile can emit (one scale per token and tile of
+    columns). ``group`` equal to ``K`` gives :func:`quantize_rows_int8`'s codes and scales, bitwise.
+
+    Returns:
+        ``(q int8 [M, K], scale float32 [M, K / group])``.
+
+    Raises:
+        QuantizationInputError: not a float tensor, a bad ``inv_smooth``, or ``group`` not a positive divisor of
+            ``K``.
+    """
+    _check_rows(x, inv_smooth, "quantize_rows_int8_grouped")
+    k = x.shape[-1]
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or k % group:
+        raise QuantizationInputError(f"quantize_rows_int8_grouped: group {group!r} must be a positive divisor of "
+                                     f"the {k} input channels")
+    rows = smoothed_rows(x, inv_smooth).reshape(-1, k // group, group)
+    amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
+    limit = torch.full_like(amax, INT8_MAX)
+    q = torch.round(rows * torch.div(limit, amax)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.reshape(-1, k), torch.div(amax, limit).reshape(-1, k // group)
+
+
+def _check_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise QuantizationInputError(f"{what}: expected a float tensor, got {type(x).__name__}")
+    if inv_smooth is not None and inv_smooth.shape != (x.shape[-1],):
+        raise QuantizationInputError(f"{what}: inv_smooth has shape {tuple(inv_smooth.shape)}, expected "
+                                     f"({x.shape[-1]},)")
+
+
 def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q * scale`` in float32 (the smoothed rows the codes stand for)."""
     return q.float() * scale.float()
 
 
-__all__ = ["INT8_AMAX_FLOOR", "INT8_MAX", "dequantize_rows_int8", "quantize_rows_int8", "smoothed_rows"]
+__all__ = ["INT8_AMAX_FLOOR", "INT8_MAX", "dequantize_rows_int8", "quantize_rows_int8", "quantize_rows_int8_grouped",
+           "smoothed_rows"]

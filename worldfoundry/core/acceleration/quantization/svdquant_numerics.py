@@ -51,7 +51,11 @@ from worldfoundry.core.acceleration.quantization.int4_packing import (
     unpack_int4,
 )
 from worldfoundry.core.acceleration.quantization.fp8 import quantize_rowwise_fp8
-from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8, smoothed_rows
+from worldfoundry.core.acceleration.quantization.int8_activation import (
+    quantize_rows_int8,
+    quantize_rows_int8_grouped,
+    smoothed_rows,
+)
 from worldfoundry.errors import QuantizationInputError
 
 #: Bounds of a smoothing factor.
@@ -311,6 +315,37 @@ def int4_gemm_reference(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWe
     return acc * scale.float()
 
 
+def int4_gemm_reference_grouped(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor:
+    """The residual GEMM with activation scales per token and group of ``K / scale.shape[1]`` input channels
+    (:func:`~worldfoundry.core.acceleration.quantization.int8_activation.quantize_rows_int8_grouped`): each
+    sub-group common to the activation and weight groupings sums exactly as an integer, is rounded to float32 and
+    scaled by its activation scale (and its weight scale, for group-wise weights), and the sub-groups add up in
+    order in float32; per-channel weight scales multiply the sum last.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        QuantizationInputError: groupings that do not nest (one group size a multiple of the other).
+    """
+    k, act_groups = weight.in_features, scale.shape[1]
+    act = k // act_groups
+    w_group = weight.group_size or k
+    sub = min(act, w_group)
+    if act_groups * act != k or max(act, w_group) % sub:
+        raise QuantizationInputError(f"svdquant: activation groups of {act} and weight groups of {w_group} input "
+                                     "channels must nest (one a multiple of the other)")
+    codes = unpack_int4(weight.qweight, weight.group_size).double()
+    qx = q.double()
+    w_scales = weight.scales.float()
+    acc = torch.zeros(q.shape[0], weight.out_features, dtype=torch.float32, device=q.device)
+    for i in range(k // sub):
+        cols = slice(i * sub, (i + 1) * sub)
+        part = (qx[:, cols] @ codes[:, cols].t()).float() * scale.float()[:, (i * sub) // act, None]
+        acc = acc + (part if weight.group_size == PER_CHANNEL else part * w_scales[(i * sub) // w_group])
+    return acc * w_scales[0] if weight.group_size == PER_CHANNEL else acc
+
+
 def lowrank_reference(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | None:
     """The low-rank branch as the GPU computes it: ``t = bf16(bf16(x) @ D.T)``, then ``t @ U.T`` in float32."""
     if weight.lora_down is None or weight.lora_up is None:
@@ -319,13 +354,16 @@ def lowrank_reference(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor
     return t.float() @ weight.lora_up.float().t()
 
 
-def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None = None, *,
+                          act_group: int | None = None) -> torch.Tensor:
     """Reference W4A8 SVDQuant Linear: per-token INT8 of ``x / λ``, INT4 residual GEMM, low-rank, bias.
 
     Args:
         x: ``[..., K]`` float activations.
         weight: the decomposed weight, on ``x``'s device.
         bias: optional ``[N]``.
+        act_group: one activation scale per token and group of this many input channels
+            (:func:`int4_gemm_reference_grouped`; no GPU kernel computes it yet) instead of one per token.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype (float32 math).
@@ -334,6 +372,9 @@ def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.T
         QuantizationInputError: ``x``'s last dimension does not match.
     """
     x2d = _rows(x, weight)
+    if act_group is not None:
+        q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, act_group)
+        return _finish(int4_gemm_reference_grouped(q, scale, weight), x, x2d, weight, bias)
     q, scale = quantize_rows_int8(x2d, weight.inv_smooth)
     out = int4_gemm_reference(q, scale, weight)
     return _finish(out, x, x2d, weight, bias)
@@ -402,6 +443,7 @@ __all__ = [
     "SVDQuantWeight",
     "decompose",
     "int4_gemm_reference",
+    "int4_gemm_reference_grouped",
     "lowrank_reference",
     "smoothing_factors",
     "w4a16_linear_reference",
