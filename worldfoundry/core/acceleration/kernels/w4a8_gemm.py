@@ -82,7 +82,7 @@ if TRITON_AVAILABLE:
     def _w4a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K,
                      GROUP: tl.constexpr, RANK: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                     WIDEN: tl.constexpr, ASM: tl.constexpr = False):
+                     WIDEN: tl.constexpr, ASM: tl.constexpr = False, ACT_GROUPS: tl.constexpr = 0):
         offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = offs_m < M
         nmask = offs_n < N
@@ -105,16 +105,24 @@ if TRITON_AVAILABLE:
                 xb = tl.load(xq_ptr + x_rows[None, :] + (k0 + HALF + kh)[:, None], mask=mmask[None, :], other=0)
                 part = tl.dot(_low_nibble_x16(p, ASM), xa, out_dtype=tl.int32)
                 part = tl.dot(_high_nibble_x16(p, ASM), xb, part, out_dtype=tl.int32)
-                acc += _exact_float(part) * s[:, None]
+                if ACT_GROUPS:  # (part * s_x[m, g]) * s_w[g, n], the reference's order
+                    sx = tl.load(xs_ptr + offs_m.to(tl.int64) * ACT_GROUPS + g, mask=mmask, other=0.0)
+                    acc += (_exact_float(part) * sx[None, :]) * s[:, None]
+                else:
+                    acc += _exact_float(part) * s[:, None]
             else:
                 p = tl.load(wq_ptr + w_rows[None, :] + (g * HALF + kh)[:, None], mask=nmask[None, :], other=0)
                 xa = tl.load(xq_ptr + x_rows[:, None] + (k0 + kh)[None, :], mask=mmask[:, None], other=0)
                 xb = tl.load(xq_ptr + x_rows[:, None] + (k0 + HALF + kh)[None, :], mask=mmask[:, None], other=0)
                 part = tl.dot(xa, _low_nibble_x16(p, ASM), out_dtype=tl.int32)
                 part = tl.dot(xb, _high_nibble_x16(p, ASM), part, out_dtype=tl.int32)
-                acc += _exact_float(part) * s[None, :]
+                if ACT_GROUPS:
+                    sx = tl.load(xs_ptr + offs_m.to(tl.int64) * ACT_GROUPS + g, mask=mmask, other=0.0)
+                    acc += (_exact_float(part) * sx[:, None]) * s[None, :]
+                else:
+                    acc += _exact_float(part) * s[None, :]
         _w4a8_epilogue(acc, offs_m, offs_n, xs_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, RANK, HAS_LR, HAS_BIAS,
-                       SWAP_AB, WIDEN)
+                       SWAP_AB, WIDEN, ACT_GROUPS == 0)
 
     @triton.jit
     def _w4a16_kernel(x_ptr, inv_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
@@ -216,7 +224,8 @@ def tile_key(weight: SVDQuantWeight, has_lr: bool, has_bias: bool, asm: bool) ->
 def w4a8_tile(q: torch.Tensor, weight: SVDQuantWeight, launch: Any, flags: dict[str, Any]) -> dict[str, Any]:
     """The tile :func:`triton_w4a8_gemm` runs for this call on CUDA (:mod:`.w4a8_tuning`; may time candidates)."""
     m, k = q.shape
-    key = tile_key(weight, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"])
+    key = tile_key(weight, flags["HAS_LR"], flags["HAS_BIAS"], flags["ASM"]) + (("act_groups",) if
+                                                                                 flags.get("ACT_GROUPS") else ())
     cached = chosen_config(q.device, key, m)
     if cached is not None:  # the common case: one dict lookup per call
         return cached
@@ -231,7 +240,11 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     """The W4A8 GEMM with fused low-rank up projection and bias (group scales, or per channel: one int32 sum).
 
     Args:
-        q: int8 ``[M, K]`` contiguous activation codes; ``scale``: float32 ``[M, 1]``.
+        q: int8 ``[M, K]`` contiguous activation codes; ``scale``: float32 ``[M, 1]``, or with group-wise weights
+            ``[M, K / group_size]``: one scale per token and weight group
+            (:func:`~worldfoundry.core.acceleration.quantization.int8_activation.quantize_rows_int8_grouped`),
+            applied per group in the main loop in the order of
+            :func:`~worldfoundry.core.acceleration.quantization.svdquant_numerics.int4_gemm_reference_grouped`.
         weight: on the same device, rank padded (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.pad_rank`);
             ``group_size`` 0 runs :mod:`.w4a8_channel_gemm`.
         t: bfloat16 ``[M, r]`` = ``x @ D.T`` or ``None`` for rank 0.
@@ -258,6 +271,7 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     channel = weight.group_size == PER_CHANNEL
     if channel:
         check_channel_k(k)
+    act_groups = _activation_groups(scale, weight, m)
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
@@ -266,7 +280,7 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     flags = dict(RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None, WIDEN=q.device.type != "cuda",
                  ASM=q.device.type == "cuda" and not interpreter_enabled())
     if not channel:
-        flags["GROUP"] = weight.group_size
+        flags.update(GROUP=weight.group_size, **({"ACT_GROUPS": act_groups} if act_groups else {}))
     launcher = launch_channel_gemm if channel else _launch_grouped
 
     def launch(c: dict[str, Any]) -> None:
@@ -279,6 +293,19 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
             config = w4a8_tile(q, weight, launch, flags)
     launch(config)
     return out
+
+
+def _activation_groups(scale: torch.Tensor, weight: SVDQuantWeight, m: int) -> int:
+    """0 for per-token scales (``M`` of them); the group count for ``[M, K / group_size]`` with group-wise weights."""
+    if scale.numel() == m:
+        return 0
+    groups = weight.in_features // weight.group_size if weight.group_size != PER_CHANNEL else 1
+    if weight.group_size == PER_CHANNEL or scale.shape != (m, groups) or scale.dtype != torch.float32 \
+            or not scale.is_contiguous():
+        raise QuantizationInputError(f"triton_w4a8_gemm: activation scales per group need group-wise weights and "
+                                     f"contiguous float32 [{m}, {groups}] (one per token and weight group), got "
+                                     f"{tuple(scale.shape)} for group_size {weight.group_size}")
+    return groups
 
 
 def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None, bias: torch.Tensor | None,

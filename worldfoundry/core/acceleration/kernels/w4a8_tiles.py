@@ -69,14 +69,16 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _w4a8_epilogue(acc, offs_m, offs_n, xs_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, RANK: tl.constexpr,
-                       HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr):
-        """``acc * s_x`` + ``t @ U.T`` + bias, stored as the output dtype (``acc``: float32, weight scales applied)."""
+                       HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
+                       SCALE_ROWS: tl.constexpr = True):
+        """``acc * s_x`` (``SCALE_ROWS``; activation scales applied per group in the main loop otherwise) +
+        ``t @ U.T`` + bias, stored as the output dtype (``acc``: float32, weight scales applied)."""
         mmask = offs_m < M
         nmask = offs_n < N
-        xs = tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)
         r = tl.arange(0, RANK)
         if SWAP_AB:
-            acc = acc * xs[None, :]
+            if SCALE_ROWS:
+                acc = acc * tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)[None, :]
             if HAS_LR:
                 lu = tl.load(lu_ptr + offs_n.to(tl.int64)[:, None] * RANK + r[None, :], mask=nmask[:, None], other=0.0)
                 tt = tl.load(t_ptr + offs_m.to(tl.int64)[None, :] * RANK + r[:, None], mask=mmask[None, :], other=0.0)
@@ -86,7 +88,8 @@ if TRITON_AVAILABLE:
             ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
         else:
-            acc = acc * xs[:, None]
+            if SCALE_ROWS:
+                acc = acc * tl.load(xs_ptr + offs_m, mask=mmask, other=0.0)[:, None]
             if HAS_LR:
                 tt = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * RANK + r[None, :], mask=mmask[:, None], other=0.0)
                 lu = tl.load(lu_ptr + offs_n.to(tl.int64)[None, :] * RANK + r[:, None], mask=nmask[None, :], other=0.0)
