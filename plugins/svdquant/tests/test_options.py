@@ -13,7 +13,8 @@ def test_defaults_and_json():
     opts = Options.from_mapping({"artifact": "a.json"})
     assert (opts.include, opts.keep_original, opts.backend) == (None, "device", "auto")
     assert opts.to_json() == {"artifact": "a.json", "include": None, "keep_original": "device", "backend": "auto",
-                              "fast_accum": True, "fuse_gelu": True, "one_launch_operand": False}
+                              "fast_accum": True, "fuse_gelu": True, "one_launch_operand": False,
+                              "activation_group": None}
     assert prepare.options_class is Options
 
 
@@ -27,6 +28,9 @@ def test_defaults_and_json():
     ({"artifact": "a", "one_launch_operand": 1}, "one_launch_operand: expected true/false"),
     ({"artifact": "a", "include": []}, "include: expected a list of 1 to"),
     ({"artifact": "a", "rank": 4}, r"unknown option\(s\) \['rank'\]"),
+    ({"artifact": "a", "backend": "reference", "activation_group": 100}, "activation_group: expected 64, 128 or 256"),
+    ({"artifact": "a", "activation_group": 64}, "activation_group: runs on backend reference or w4a8"),
+    ({"artifact": "a", "backend": "w4f8", "activation_group": 64}, "not 'w4f8'; set backend: reference"),
 ])
 def test_bad_options_name_the_path(spec, match):
     with pytest.raises(AccelerationOptionsError, match=match) as info:

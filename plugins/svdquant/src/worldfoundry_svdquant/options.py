@@ -45,6 +45,11 @@ class Options(PluginOptions):
         one_launch_operand: W4F8 only: build each activation operand -- the FP8 codes and the appended low-rank
             codes -- in one launch instead of two (the second rereads the codes); the same codes and scales
             (default false).
+        activation_group: INT8 activation scales per token and group of this many input channels (64, 128 or
+            256) instead of one per token: more accurate (on the trained tiny model the per-channel rank-64
+            artifact comes within the draft budget with 128 or 64). Runs on ``backend: reference``, or
+            ``backend: w4a8`` with a group-wise artifact of the same group size (the Triton GEMM); the GELU
+            producer fusion is then off. Default ``None`` (per token).
 
     Raises:
         AccelerationOptionsError: missing artifact, unknown key or bad value (the message names the path).
@@ -62,8 +67,13 @@ class Options(PluginOptions):
     fast_accum: bool = option(True, boolean(expected="true/false"))
     fuse_gelu: bool = option(True, boolean(expected="true/false"))
     one_launch_operand: bool = option(False, boolean(expected="true/false"))
+    activation_group: int | None = option(None, optional(choice(64, 128, 256, expected="64, 128 or 256")))
 
     def validate(self) -> None:
+        if self.activation_group is not None and self.backend not in ("reference", "w4a8"):
+            raise OptionValueError(
+                "activation_group", f"runs on backend reference or w4a8 (group-wise artifacts), not {self.backend!r}; "
+                "set backend: reference or backend: w4a8")
         if self.artifact is None:
             raise OptionValueError(
                 "artifact", "required: the path of a worldfoundry-svdquant-v1 artifact "

@@ -21,7 +21,7 @@ from worldfoundry.core.acceleration.quantization.parameter_digest import paramet
 from worldfoundry.core.acceleration.quantization.svdquant_artifact import SVDQuantArtifact, load_svdquant_artifact
 from worldfoundry.core.acceleration.receipts import ExecutionLedger
 from worldfoundry.core.model_loading.policy import RuntimePolicy
-from worldfoundry.errors import AccelerationRefusedError, ArtifactMismatchError
+from worldfoundry.errors import AccelerationOptionsError, AccelerationRefusedError, ArtifactMismatchError
 from worldfoundry.plugin import (
     ROLE_APPROXIMATE_ATTENTION,
     ROLE_FEATURE_CACHE,
@@ -116,6 +116,27 @@ def _refuse_gradient_checkpointing(model: nn.Module) -> None:
             PLUGIN_NAME, f"gradient checkpointing is enabled on {', '.join(flagged[:4])}; disable it for inference")
 
 
+def _check_activation_group(opts: Options, artifact: SVDQuantArtifact) -> None:
+    """``activation_group`` fits the artifact: W4A8 needs group-wise weights of that group size, the reference
+    groupings that nest and divide every selected Linear's input features."""
+    group = opts.activation_group
+    if group is None:
+        return
+    weight_group = int(artifact.manifest["group_size"])
+    if opts.backend == "w4a8" and weight_group != group:
+        raise AccelerationOptionsError(
+            PLUGIN_NAME, f"activation_group: backend w4a8 takes activation groups equal to the artifact's weight "
+            f"groups ({describe_grouping(weight_group)} in {artifact.file}); use a group-wise artifact of group "
+            f"{group}, or backend: reference", path=f"accelerations.{PLUGIN_NAME}.activation_group")
+    for path, entry in artifact.linears.items():
+        k = int(entry.in_features)
+        if k % group or (weight_group and max(group, weight_group) % min(group, weight_group)):
+            raise AccelerationOptionsError(
+                PLUGIN_NAME, f"activation_group: {path} has {k} input features and weight groups of "
+                f"{weight_group or k}: activation groups of {group} must divide the features and nest with the "
+                "weight groups; choose another activation_group", path=f"accelerations.{PLUGIN_NAME}.activation_group")
+
+
 def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
     m = artifact.manifest
     return {"file": artifact.file, "format": m["format"], "method": m["method"], "rank": m["rank"],
@@ -160,7 +181,7 @@ def plan_fusion(model: nn.Module, opts: Options, artifact: SVDQuantArtifact,
     """The FFNs whose GELU producer runs fused: both Linears selected, structure reproducible, and W4F8 or W4A8
     the backend on their device (a weight the W4F8 preparation later refuses, or an input the W4A8 producer does
     not take, runs unfused, per call)."""
-    if _fused_backend(opts, artifact, selected) not in ("w4f8", "w4a8"):
+    if _fused_backend(opts, artifact, selected) not in ("w4f8", "w4a8") or opts.activation_group is not None:
         return [], {}
     return plan_ffn_fusion(model, [s.path for s in selected], enabled=opts.fuse_gelu)
 
@@ -192,6 +213,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any], policy: RuntimePolicy)
     refuse_shared_parameters(model, selected, plugin=PLUGIN_NAME)
     refuse_module_hooks([(s.path, s.module) for s in selected], PLUGIN_NAME)
     verify_sources(artifact, selected)
+    _check_activation_group(opts, artifact)
     summary = _artifact_summary(artifact)
     fused, not_fused = plan_fusion(model, opts, artifact, selected)
 

@@ -119,7 +119,8 @@ class SVDQuantRuntime:
                     return original(input)
                 out, choice = svdquant_linear(input, target.weight, target.linear.bias, backend=target.backend,
                                               scaled=target.scaled, fast_accum=self.options.fast_accum,
-                                              one_launch=self.options.one_launch_operand)
+                                              one_launch=self.options.one_launch_operand,
+                                              act_group=self.options.activation_group)
                 self.ledger.executed(path, choice.backend)
                 reason = choice.reason or target.reason
                 if reason is not None:

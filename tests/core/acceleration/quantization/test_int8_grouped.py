@@ -87,3 +87,13 @@ def test_grouped_scales_follow_an_outlier_channel_better() -> None:
     grouped = w4a8_linear_reference(x, weight, act_group=64)
     torch.testing.assert_close(one_group, per_token, rtol=1e-5, atol=1e-5)  # another multiplication order only
     assert err(grouped) < err(per_token)
+
+
+def test_dispatch_reference_with_activation_groups_is_the_grouped_reference() -> None:
+    from worldfoundry.core.acceleration.kernels.svdquant_dispatch import pad_rank, svdquant_linear
+
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(6, 256, generator=g), torch.randn(24, 256, generator=g)
+    weight = pad_rank(decompose(w, rank=8, group_size=0, act_absmax=x.abs().amax(0)))
+    y, used = svdquant_linear(x, weight, None, backend="reference", act_group=64)
+    assert used.backend == "reference" and torch.equal(y, w4a8_linear_reference(x, weight, None, act_group=64))

@@ -40,6 +40,7 @@ from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAI
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
     LOWRANK_DTYPE,
     SVDQuantWeight,
@@ -160,7 +161,7 @@ def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | No
 def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
                     backend: str = "auto", fused_lowrank: bool | None = None,
                     scaled: ScaledMMWeight | None = None, fast_accum: bool = True,
-                    one_launch: bool = False) -> tuple[torch.Tensor, BackendChoice]:
+                    one_launch: bool = False, act_group: int | None = None) -> tuple[torch.Tensor, BackendChoice]:
     """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
 
     Args:
@@ -174,6 +175,9 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
             ``weight`` (prepared here when ``None``; a weight it refuses runs W4A8, with the reason).
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation.
         one_launch: W4F8 only: the activation operand (codes and appended low-rank codes) in one launch.
+        act_group: INT8 activation scales per token and group of this many input channels instead of per token
+            (the reference, or W4A8 with group-wise weights of that group size: the Triton GEMM); other
+            backends refuse it.
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -187,6 +191,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     if x.device != weight.device:
         raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
     choice = choose_backend(x.device, backend, weight.group_size)
+    if act_group is not None:
+        return _grouped_activations(x, weight, bias, act_group, choice)
     if choice.backend == "w4f8":
         out, choice = _w4f8(x, weight, bias, scaled, fast_accum, one_launch)
         if out is not None:
@@ -212,6 +218,22 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
+
+
+def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, group: int,
+                         choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
+    """The W4A8 Linear with activation scales per token and group: the reference, or the Triton group-wise GEMM."""
+    if choice.backend == "reference":
+        return w4a8_linear_reference(x, weight, bias, act_group=group), choice
+    if choice.backend != "w4a8" or weight.group_size != group:
+        raise QuantizationInputError(
+            f"svdquant linear: activation scales per group of {group} run on the reference or on W4A8 with "
+            f"group-wise weights of group {group} (this weight: group_size {weight.group_size}, backend "
+            f"{choice.backend})")
+    x2d = x.reshape(-1, weight.in_features)
+    q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, group)
+    out = triton_w4a8_gemm(q, scale, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], weight.out_features), choice
 
 
 def w4a8_gemm_from_codes(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
