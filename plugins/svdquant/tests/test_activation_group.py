@@ -59,10 +59,20 @@ def test_activation_groups_the_artifact_cannot_take_are_refused_before_any_chang
     channel = kit.calibrate(wan, tmp_path / "channel.json", group_size=0, include=("blocks.*.ffn.2",))
     grouped = kit.calibrate(wan, tmp_path / "g64.json", group_size=64)
     before = kit.fingerprint(wan)
-    with pytest.raises(AccelerationOptionsError, match="backend w4a8 takes activation groups equal"):
+    with pytest.raises(AccelerationOptionsError, match="or of 128 or 256 with a per-channel artifact"):
         _install(wan, channel, backend="w4a8", activation_group=64)
     with pytest.raises(AccelerationOptionsError, match="must divide the features and nest"):
         _install(wan, grouped, backend="reference", activation_group=256)  # ffn.0 has 64 input features
     with pytest.raises(AccelerationOptionsError, match="runs on backend reference or w4a8"):
         _install(wan, grouped, activation_group=64)  # backend auto
     kit.assert_same(before, kit.fingerprint(wan))
+
+
+def test_w4a8_per_channel_with_activation_groups_of_128_matches_the_reference(kit, wan, tmp_path):
+    if not (TRITON_AVAILABLE and interpreter_enabled()):
+        pytest.skip("the w4a8 kernel runs on the CPU only under TRITON_INTERPRET=1")
+    artifact = kit.calibrate(wan, tmp_path / "channel.json", group_size=0, include=("blocks.*.ffn.2",))
+    ref, _ = _run(kit, wan, artifact, backend="reference", activation_group=128)
+    out, record = _run(kit, wan, artifact, backend="w4a8", activation_group=128)
+    assert record["modules"] == {p: {"w4a8": 1} for p in FFN2}
+    assert float((out - ref).norm() / ref.norm()) < 1e-3

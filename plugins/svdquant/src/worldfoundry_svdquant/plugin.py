@@ -37,6 +37,7 @@ from worldfoundry.plugin import (
 from worldfoundry.core.acceleration.ffn_structure import FusableFFN, plan_ffn_fusion
 from worldfoundry.core.acceleration.ffn_structure import fusion_note as ffn_fusion_note
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend
+from worldfoundry.core.acceleration.kernels.w4a8_gemm import CHANNEL_ACT_GROUPS
 from worldfoundry_svdquant.ffn_fusion import FUSED_KIND, FusedW4F8FFN
 from worldfoundry_svdquant.ffn_fusion_w4a8 import FUSED_KIND_W4A8, FusedW4A8FFN
 from worldfoundry_svdquant.options import PLUGIN_NAME, Options
@@ -123,11 +124,13 @@ def _check_activation_group(opts: Options, artifact: SVDQuantArtifact) -> None:
     if group is None:
         return
     weight_group = int(artifact.manifest["group_size"])
-    if opts.backend == "w4a8" and weight_group != group:
+    takes = group in CHANNEL_ACT_GROUPS if weight_group == 0 else weight_group == group
+    if opts.backend == "w4a8" and not takes:
         raise AccelerationOptionsError(
-            PLUGIN_NAME, f"activation_group: backend w4a8 takes activation groups equal to the artifact's weight "
-            f"groups ({describe_grouping(weight_group)} in {artifact.file}); use a group-wise artifact of group "
-            f"{group}, or backend: reference", path=f"accelerations.{PLUGIN_NAME}.activation_group")
+            PLUGIN_NAME, f"activation_group: backend w4a8 takes activation groups equal to a group-wise artifact's "
+            f"weight groups, or of 128 or 256 with a per-channel artifact ({artifact.file}: "
+            f"{describe_grouping(weight_group)}); choose one of those, or backend: reference",
+            path=f"accelerations.{PLUGIN_NAME}.activation_group")
     for path, entry in artifact.linears.items():
         k = int(entry.in_features)
         if k % group or (weight_group and max(group, weight_group) % min(group, weight_group)):

@@ -198,15 +198,37 @@ def test_w4a8_gemm_with_activation_scales_per_group(swap, rank, bias, group, m):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("rank,bias,group,m", [(0, False, 128, 32), (16, True, 256, 37), (32, False, 128, 9)])
+def test_per_channel_w4a8_gemm_with_activation_scales_per_group(swap, rank, bias, group, m):
+    from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
+    from worldfoundry.core.acceleration.quantization.svdquant_numerics import int4_gemm_reference_grouped
+
+    n, k = 40, 512
+    weight = _weight(n, k, rank, 0, smooth=rank > 0, seed=3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, k)
+    b = torch.randn(n, generator=g) if bias else None
+    q, s = quantize_rows_int8_grouped(x, weight.inv_smooth, group)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2, "SWAP_AB": swap, "BLOCK_K": 128}  # the step follows the group
+    residual = SVDQuantWeight(weight.qweight, weight.scales, 0, weight.inv_smooth)
+    out0 = triton_w4a8_gemm(q, s, residual, None, None, out_dtype=torch.float32, config=cfg)
+    assert torch.equal(out0, int4_gemm_reference_grouped(q, s, residual))  # the integer part, bitwise
+    t = lowrank_down(x, weight) if rank else None
+    out = triton_w4a8_gemm(q, s, weight, t, b, out_dtype=torch.float32, config=cfg)
+    ref = w4a8_linear_reference(x, weight, b, act_group=group)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_w4a8_gemm_refuses_activation_groups_it_does_not_take():
     from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
 
     x = torch.randn(8, 256)
     grouped = _weight(16, 256, 0, 64, smooth=False)
     q, s = quantize_rows_int8_grouped(x, None, 128)  # groups of 128 against weight groups of 64
-    with pytest.raises(QuantizationInputError, match=r"one per token and weight group\), got \(8, 2\)"):
+    with pytest.raises(QuantizationInputError, match=r"one per token and weight group \(\[8, 4\]\); got \(8, 2\)"):
         triton_w4a8_gemm(q, s, grouped, None, None)
     channel = _weight(16, 256, 0, 0, smooth=False)
-    q, s = quantize_rows_int8_grouped(x, None, 64)
-    with pytest.raises(QuantizationInputError, match="need group-wise weights"):
+    q, s = quantize_rows_int8_grouped(x, None, 64)  # per channel: the K step is 128 or 256
+    with pytest.raises(QuantizationInputError, match="groups of 128 or 256 input features with per-channel"):
         triton_w4a8_gemm(q, s, channel, None, None)

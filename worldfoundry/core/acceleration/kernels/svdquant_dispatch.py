@@ -35,7 +35,7 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
     triton_quantize_rows_int8,
 )
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
-from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gemm import CHANNEL_ACT_GROUPS, triton_w4a8_gemm, triton_w4a16_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAILABLE
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
@@ -225,11 +225,12 @@ def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Te
     """The W4A8 Linear with activation scales per token and group: the reference, or the Triton group-wise GEMM."""
     if choice.backend == "reference":
         return w4a8_linear_reference(x, weight, bias, act_group=group), choice
-    if choice.backend != "w4a8" or weight.group_size != group:
+    takes = group in CHANNEL_ACT_GROUPS if weight.group_size == PER_CHANNEL else weight.group_size == group
+    if choice.backend != "w4a8" or not takes:
         raise QuantizationInputError(
-            f"svdquant linear: activation scales per group of {group} run on the reference or on W4A8 with "
-            f"group-wise weights of group {group} (this weight: group_size {weight.group_size}, backend "
-            f"{choice.backend})")
+            f"svdquant linear: activation scales per group of {group} run on the reference, or on W4A8 with "
+            f"group-wise weights of group {group} or per-channel weights and groups of 128 or 256 (this weight: "
+            f"group_size {weight.group_size}, backend {choice.backend})")
     x2d = x.reshape(-1, weight.in_features)
     q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, group)
     out = triton_w4a8_gemm(q, scale, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)

@@ -50,7 +50,7 @@ if TRITON_AVAILABLE:
     def _w4a8_channel_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, K,
                              RANK: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WIDEN: tl.constexpr,
-                             ASM: tl.constexpr = False, BLOCK_K: tl.constexpr = 128):
+                             ASM: tl.constexpr = False, BLOCK_K: tl.constexpr = 128, ACT_GROUPS: tl.constexpr = 0):
         offs_m, offs_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = offs_m < M
         nmask = offs_n < N
@@ -63,23 +63,34 @@ if TRITON_AVAILABLE:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        accg = acc.to(tl.float32)  # ACT_GROUPS: float32(step sum) * s_x[m, step], summed in order
         for step in range(0, K // BLOCK_K):
             k0 = step * BLOCK_K
             p = tl.load(wq_ptr + w_rows[:, None] + (step * KH + kb)[None, :], mask=nmask[:, None], other=0)
             w = _unpack_pairs_x16(p, BLOCK_N, BLOCK_K, ASM)
             if SWAP_AB:
                 x = tl.load(xq_ptr + x_rows[None, :] + (k0 + kf)[:, None], mask=mmask[None, :], other=0)
-                acc = tl.dot(w, x, acc, out_dtype=tl.int32)
+                if ACT_GROUPS:  # one activation group per step: its exact int32 sum, scaled (the reference's order)
+                    sx = tl.load(xs_ptr + offs_m.to(tl.int64) * ACT_GROUPS + step, mask=mmask, other=0.0)
+                    accg += tl.dot(w, x, tl.zeros_like(acc), out_dtype=tl.int32).to(tl.float32) * sx[None, :]
+                else:
+                    acc = tl.dot(w, x, acc, out_dtype=tl.int32)
             else:
                 x = tl.load(xq_ptr + x_rows[:, None] + (k0 + kf)[None, :], mask=mmask[:, None], other=0)
-                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
+                if ACT_GROUPS:
+                    sx = tl.load(xs_ptr + offs_m.to(tl.int64) * ACT_GROUPS + step, mask=mmask, other=0.0)
+                    accg += tl.dot(x, tl.trans(w), tl.zeros_like(acc), out_dtype=tl.int32).to(tl.float32) * sx[:, None]
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
         s = tl.load(ws_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32) * 0.0625
+        if ACT_GROUPS == 0:
+            accg = acc.to(tl.float32)
         if SWAP_AB:
-            accf = acc.to(tl.float32) * s[:, None]
+            accf = accg * s[:, None]
         else:
-            accf = acc.to(tl.float32) * s[None, :]
+            accf = accg * s[None, :]
         _w4a8_epilogue(accf, offs_m, offs_n, xs_ptr, t_ptr, lu_ptr, b_ptr, out_ptr, M, N, RANK, HAS_LR, HAS_BIAS,
-                       SWAP_AB, WIDEN)
+                       SWAP_AB, WIDEN, ACT_GROUPS == 0)
 
 
 def _cfg(bm: int, bn: int, swap: bool, warps: int, stages: int, block_k: int = 128) -> dict[str, Any]:

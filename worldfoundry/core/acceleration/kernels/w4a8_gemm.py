@@ -279,12 +279,13 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
             bias if bias is not None else scale, out, m, n, k)
     flags = dict(RANK=rank, HAS_LR=has_lr, HAS_BIAS=bias is not None, WIDEN=q.device.type != "cuda",
                  ASM=q.device.type == "cuda" and not interpreter_enabled())
+    flags.update({"ACT_GROUPS": act_groups} if act_groups else {})
     if not channel:
-        flags.update(GROUP=weight.group_size, **({"ACT_GROUPS": act_groups} if act_groups else {}))
+        flags["GROUP"] = weight.group_size
     launcher = launch_channel_gemm if channel else _launch_grouped
 
-    def launch(c: dict[str, Any]) -> None:
-        launcher(args, flags, c, m, n)
+    def launch(c: dict[str, Any]) -> None:  # per channel with activation groups: one group per K step
+        launcher(args, flags, dict(c, BLOCK_K=k // act_groups) if channel and act_groups else c, m, n)
 
     if config is None:
         if interpreter_enabled() or q.device.type != "cuda":
@@ -295,16 +296,26 @@ def triton_w4a8_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeigh
     return out
 
 
+#: Activation groups the per-channel GEMM takes: one K step each (its steps are 128 or 256 input features).
+CHANNEL_ACT_GROUPS: Final = (128, 256)
+
+
 def _activation_groups(scale: torch.Tensor, weight: SVDQuantWeight, m: int) -> int:
-    """0 for per-token scales (``M`` of them); the group count for ``[M, K / group_size]`` with group-wise weights."""
+    """0 for per-token scales (``M`` of them); else the group count of ``[M, K / group]`` scales: with group-wise
+    weights one per weight group, with per-channel weights groups of 128 or 256 input features."""
     if scale.numel() == m:
         return 0
-    groups = weight.in_features // weight.group_size if weight.group_size != PER_CHANNEL else 1
-    if weight.group_size == PER_CHANNEL or scale.shape != (m, groups) or scale.dtype != torch.float32 \
-            or not scale.is_contiguous():
-        raise QuantizationInputError(f"triton_w4a8_gemm: activation scales per group need group-wise weights and "
-                                     f"contiguous float32 [{m}, {groups}] (one per token and weight group), got "
-                                     f"{tuple(scale.shape)} for group_size {weight.group_size}")
+    k = weight.in_features
+    groups = scale.shape[1] if scale.dim() == 2 else 0
+    if weight.group_size == PER_CHANNEL:
+        fits = groups > 0 and k % groups == 0 and k // groups in CHANNEL_ACT_GROUPS
+        wanted = f"groups of {' or '.join(map(str, CHANNEL_ACT_GROUPS))} input features with per-channel weights"
+    else:
+        fits = groups == k // weight.group_size
+        wanted = f"one per token and weight group ([{m}, {k // weight.group_size}])"
+    if not fits or scale.shape != (m, groups) or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise QuantizationInputError(f"triton_w4a8_gemm: activation scales per group must be contiguous float32, "
+                                     f"{wanted}; got {tuple(scale.shape)} for group_size {weight.group_size}")
     return groups
 
 
@@ -345,5 +356,5 @@ def triton_w4a16_gemm(x2d: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor
     return out
 
 
-__all__ = ["INTERPRETER_CONFIG", "W4A8_CONFIGS", "check_lowrank_operand", "tile_key", "triton_w4a16_gemm",
+__all__ = ["CHANNEL_ACT_GROUPS", "INTERPRETER_CONFIG", "W4A8_CONFIGS", "check_lowrank_operand", "tile_key", "triton_w4a16_gemm",
            "triton_w4a8_gemm", "w4a8_tile"]
