@@ -78,6 +78,20 @@ def cuda_case(tmp_path: Path, *, model: nn.Module | None = None, **calibrate_kw:
     return model, artifact, reg, inputs, dense
 
 
+def install(model: nn.Module, artifact: Path, **options: Any) -> Any:
+    """Install ``svdquant`` alone (a registry without discovery) with ``artifact`` and ``options``."""
+    from worldfoundry_svdquant.plugin import prepare
+
+    from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
+    from worldfoundry.core.acceleration.registry import AccelerationRegistry
+    from worldfoundry.core.model_loading.policy import RuntimePolicy
+
+    reg = AccelerationRegistry(discover=False)
+    reg.register("svdquant", prepare)
+    return install_diffusion_accelerations(model, {"svdquant": {"artifact": str(artifact), **options}},
+                                           RuntimePolicy(), registry=reg)
+
+
 def fingerprint(model: nn.Module) -> testing.ModelFingerprint:
     """:func:`worldfoundry.testing.fingerprint` of the guarded model (the request guard stays by design)."""
     dtype = next(model.parameters()).dtype

@@ -6,26 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worldfoundry_svdquant.plugin import prepare
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
-from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.core.model_loading.policy import RuntimePolicy
 from worldfoundry.errors import AccelerationOptionsError
 
 FFN2 = ["blocks.0.ffn.net.2", "blocks.1.ffn.net.2"]
 
 
-def _install(model, artifact, **options):
-    reg = AccelerationRegistry(discover=False)
-    reg.register("svdquant", prepare)
-    return install_diffusion_accelerations(model, {"svdquant": {"artifact": str(artifact), **options}},
-                                           RuntimePolicy(), registry=reg)
-
-
 def _run(kit, wan, artifact, **options):
-    session = _install(wan, artifact, **options)
+    session = kit.install(wan, artifact, **options)
     with request_scope(RequestContext("r1", branch="cond", step_index=0)):
         out = kit.run_wan(wan)
     record = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
@@ -60,11 +49,11 @@ def test_activation_groups_the_artifact_cannot_take_are_refused_before_any_chang
     grouped = kit.calibrate(wan, tmp_path / "g64.json", group_size=64)
     before = kit.fingerprint(wan)
     with pytest.raises(AccelerationOptionsError, match="or of 128 or 256 with a per-channel artifact"):
-        _install(wan, channel, backend="w4a8", activation_group=64)
+        kit.install(wan, channel, backend="w4a8", activation_group=64)
     with pytest.raises(AccelerationOptionsError, match="must divide the features and nest"):
-        _install(wan, grouped, backend="reference", activation_group=256)  # ffn.0 has 64 input features
+        kit.install(wan, grouped, backend="reference", activation_group=256)  # ffn.0 has 64 input features
     with pytest.raises(AccelerationOptionsError, match="runs on backend reference or w4a8"):
-        _install(wan, grouped, activation_group=64)  # backend auto
+        kit.install(wan, grouped, activation_group=64)  # backend auto
     kit.assert_same(before, kit.fingerprint(wan))
 
 

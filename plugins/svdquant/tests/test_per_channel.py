@@ -9,21 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worldfoundry_svdquant.plugin import prepare
-from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
-from worldfoundry.core.acceleration.registry import AccelerationRegistry
-from worldfoundry.core.model_loading.policy import RuntimePolicy
 
 FFN2 = ["blocks.0.ffn.net.2", "blocks.1.ffn.net.2"]
-
-
-def _install(model, artifact, **options):
-    reg = AccelerationRegistry(discover=False)
-    reg.register("svdquant", prepare)
-    return install_diffusion_accelerations(model, {"svdquant": {"artifact": str(artifact), **options}},
-                                           RuntimePolicy(), registry=reg)
 
 
 @pytest.fixture
@@ -37,7 +26,7 @@ def test_per_channel_artifact_runs_and_restores_exactly(kit, wan, channel_artifa
         pytest.skip("the w4a8 kernel runs on the CPU only under TRITON_INTERPRET=1")
     before = kit.fingerprint(wan)
     dense = kit.run_wan(wan)
-    session = _install(wan, channel_artifact, backend=backend)
+    session = kit.install(wan, channel_artifact, backend=backend)
     section = session.execution_report()["plugins"]["svdquant"]["model"]["svdquant"]
     assert section["artifact"]["group_size"] == 0 and section["artifact"]["scale_grouping"] == "per channel"
     with request_scope(RequestContext("r1", branch="cond", step_index=0)):
@@ -57,7 +46,7 @@ def test_an_unsmoothed_artifact_runs_without_smoothing_and_restores(kit, wan, tm
                              unsmoothed=("blocks.*.ffn.2",))
     before = kit.fingerprint(wan)
     dense = kit.run_wan(wan)
-    session = _install(wan, artifact, backend=backend)
+    session = kit.install(wan, artifact, backend=backend)
     targets = next(iter(session.handles("svdquant").values())).runtime.targets
     assert all(t.weight.inv_smooth is None for t in targets.values())
     with request_scope(RequestContext("r1", branch="cond", step_index=0)):

@@ -177,41 +177,24 @@ def test_w4a8_on_hopper_routes_per_channel_weights_to_the_gluon_gemm(monkeypatch
 
 
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("rank,bias,group,m", [(0, False, 64, 32), (16, True, 64, 40), (32, True, 128, 17)])
-def test_w4a8_gemm_with_activation_scales_per_group(swap, rank, bias, group, m):
+@pytest.mark.parametrize("w_group,group,rank,bias,m", [
+    (64, 64, 0, False, 32), (64, 64, 16, True, 40), (128, 128, 32, True, 17),  # one activation group per weight group
+    (0, 128, 0, False, 32), (0, 256, 16, True, 37), (0, 128, 32, False, 9),  # per channel: one per K step
+])
+def test_w4a8_gemm_with_activation_scales_per_group(swap, w_group, group, rank, bias, m):
     from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
     from worldfoundry.core.acceleration.quantization.svdquant_numerics import int4_gemm_reference_grouped
 
-    n, k = 48, 256
-    weight = _weight(n, k, rank, group, smooth=rank > 0, seed=2)
+    n, k = (48, 256) if w_group else (40, 512)
+    weight = _weight(n, k, rank, w_group, smooth=rank > 0, seed=2)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, k)
     b = torch.randn(n, generator=g) if bias else None
     q, s = quantize_rows_int8_grouped(x, weight.inv_smooth, group)
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2, "SWAP_AB": swap}
-    residual = SVDQuantWeight(weight.qweight, weight.scales, group, weight.inv_smooth)
-    out0 = triton_w4a8_gemm(q, s, residual, None, None, out_dtype=torch.float32, config=cfg)
-    assert torch.equal(out0, int4_gemm_reference_grouped(q, s, residual))  # the integer part, bitwise
-    t = lowrank_down(x, weight) if rank else None
-    out = triton_w4a8_gemm(q, s, weight, t, b, out_dtype=torch.float32, config=cfg)
-    ref = w4a8_linear_reference(x, weight, b, act_group=group)
-    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("rank,bias,group,m", [(0, False, 128, 32), (16, True, 256, 37), (32, False, 128, 9)])
-def test_per_channel_w4a8_gemm_with_activation_scales_per_group(swap, rank, bias, group, m):
-    from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
-    from worldfoundry.core.acceleration.quantization.svdquant_numerics import int4_gemm_reference_grouped
-
-    n, k = 40, 512
-    weight = _weight(n, k, rank, 0, smooth=rank > 0, seed=3)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, k)
-    b = torch.randn(n, generator=g) if bias else None
-    q, s = quantize_rows_int8_grouped(x, weight.inv_smooth, group)
-    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2, "SWAP_AB": swap, "BLOCK_K": 128}  # the step follows the group
-    residual = SVDQuantWeight(weight.qweight, weight.scales, 0, weight.inv_smooth)
+    if not w_group:
+        cfg["BLOCK_K"] = 128  # the per-channel step follows the activation group
+    residual = SVDQuantWeight(weight.qweight, weight.scales, w_group, weight.inv_smooth)
     out0 = triton_w4a8_gemm(q, s, residual, None, None, out_dtype=torch.float32, config=cfg)
     assert torch.equal(out0, int4_gemm_reference_grouped(q, s, residual))  # the integer part, bitwise
     t = lowrank_down(x, weight) if rank else None
