@@ -81,7 +81,8 @@ def test_the_automatic_choice_reads_wide_rows_in_two_passes(monkeypatch):
     assert int8_act_quant._launch_shape(8960, single_pass=True)["SINGLE_PASS"] is True
 
 
-CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"BLOCK_K": "constexpr"}
+CHANNEL_SIGNATURE = {k: v for k, v in W4A8_SIGNATURE.items() if k != "GROUP"} | {"BLOCK_K": "constexpr",
+                                                                                 "ACT_GROUPS": "constexpr"}
 
 
 def _loop_body(ttgir: str) -> list[str]:
@@ -96,7 +97,7 @@ def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swa
     from worldfoundry.core.acceleration.kernels import w4a8_channel_gemm
 
     consts = {"RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128, "BLOCK_N": 128,
-              "GROUP_M": 8, "WIDEN": False, "ASM": True, "BLOCK_K": block_k}
+              "GROUP_M": 8, "WIDEN": False, "ASM": True, "BLOCK_K": block_k, "ACT_GROUPS": 0}
     kernel = triton.compile(ASTSource(fn=w4a8_channel_gemm._w4a8_channel_kernel, signature=CHANNEL_SIGNATURE,
                                       constexprs=consts, attrs=ALIGNED),
                             target=HOPPER, options={"num_warps": 8, "num_stages": 3})
@@ -107,6 +108,21 @@ def test_per_channel_w4a8_main_loop_is_int8_wgmma_without_float_work_on_sm90(swa
     assert not re.search(r"arith\.(mulf|addf|sitofp)", body)  # no float work in the main loop
     assert body.count("ttng.warp_group_dot ") == 1  # one dot per K step (paired codes interleaved by join)
     assert "convert_layout" not in body  # the interleave moves no data
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_per_channel_w4a8_with_activation_groups_keeps_int8_wgmma_on_sm90(swap):
+    """With one activation scale per K step the step's int32 sum is scaled in the loop: still an int8 ``wgmma``."""
+    from worldfoundry.core.acceleration.kernels import w4a8_channel_gemm
+
+    consts = {"RANK": 32, "HAS_LR": True, "HAS_BIAS": True, "SWAP_AB": swap, "BLOCK_M": 128, "BLOCK_N": 128,
+              "GROUP_M": 8, "WIDEN": False, "ASM": True, "BLOCK_K": 128, "ACT_GROUPS": 70}
+    kernel = triton.compile(ASTSource(fn=w4a8_channel_gemm._w4a8_channel_kernel, signature=CHANNEL_SIGNATURE,
+                                      constexprs=consts, attrs=ALIGNED),
+                            target=HOPPER, options={"num_warps": 8, "num_stages": 3})
+    body = "\n".join(_loop_body(kernel.asm["ttgir"]))
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", kernel.asm["ptx"])
+    assert "warp_group_dot" in body and re.search(r"arith\.(mulf|sitofp)", body)  # the per-step scaling
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
