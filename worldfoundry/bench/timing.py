@@ -151,7 +151,7 @@ class Timed:
     steps: tuple[float, ...] = ()
     group: Any = None
     host_ms: float | None = None
-    #: per step, the host's part of it (until its work was issued; empty: not recorded)
+    #: per step, the host's part of it (until the model's work was issued; empty: not recorded)
     host_steps: tuple[float, ...] = ()
 
     @classmethod

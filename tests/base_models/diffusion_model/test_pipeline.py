@@ -52,6 +52,33 @@ def test_tiny_recipe_end_to_end_is_deterministic(name: str) -> None:
     assert all(0 <= h <= t for h, t in zip(a.timings["host_steps_s"], a.timings["steps_s"]))
 
 
+def test_a_steps_host_part_ends_before_the_scheduler(monkeypatch) -> None:
+    """A scheduler step that waits (diffusers' UniPC synchronizes on the device) counts in the step's time, not in
+    its host part: the host part measures issuing the model's work only."""
+    import time
+
+    from worldfoundry.base_models.diffusion_model import runner as runner_module
+
+    real = runner_module.fresh_scheduler
+
+    def slow_scheduler(base, shift):  # noqa: ANN001, ANN202 - the runner's own signature
+        scheduler = real(base, shift)
+        step = scheduler.step
+
+        def waiting_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            time.sleep(0.05)
+            return step(*args, **kwargs)
+
+        scheduler.step = waiting_step
+        return scheduler
+
+    monkeypatch.setattr(runner_module, "fresh_scheduler", slow_scheduler)
+    with NativeDiffusionPipeline.from_pretrained("tiny-wan2.1") as pipe:
+        out = pipe.generate(DiffusionRequest(prompt="a ball", seed=1, output_type="latent"))
+    assert all(t >= 0.05 for t in out.timings["steps_s"])
+    assert all(t - h >= 0.05 for h, t in zip(out.timings["host_steps_s"], out.timings["steps_s"]))
+
+
 def test_same_pipeline_two_instances_same_weights() -> None:
     with NativeDiffusionPipeline.from_pretrained("tiny-wan2.1") as p1, \
             NativeDiffusionPipeline.from_pretrained("tiny-wan2.1") as p2:

@@ -66,10 +66,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _close_step(timings: dict[str, Any], t_step: float, device: torch.device) -> None:
-    """Record a step's time (synchronized) and the host's part of it (until its work was issued, before the
-    synchronization: close to the step's time when the host is the bottleneck, far below it when the device is)."""
-    issued = time.perf_counter()
+def _close_step(timings: dict[str, Any], t_step: float, issued: float, device: torch.device) -> None:
+    """Record a step's time (synchronized) and the host's part of it: until the model's work of the step was issued
+    (``issued``), before the scheduler's step -- close to the step's time when the host is the bottleneck, far below
+    it when the device is. The scheduler is left out because it may wait for the device itself (diffusers' UniPC
+    solves a small linear system on the device every step), which would make every step look host-bound."""
     _sync(device)
     timings["steps_s"].append(time.perf_counter() - t_step)
     timings["host_steps_s"].append(issued - t_step)
@@ -115,7 +116,7 @@ class NativeRunner:
         timestep_values = timesteps.tolist()  # host copies: reading a device timestep per step would synchronise
         schedule = self.denoiser.build_schedule(timestep_values, num_train)
         expert_order = list(self.denoiser.experts)
-        timings: dict[str, Any] = {"steps_s": [], "host_steps_s": []}  # host_steps_s: until a step's work is issued
+        timings: dict[str, Any] = {"steps_s": [], "host_steps_s": []}  # host_steps_s: until the model's work is issued
 
         self.denoiser.begin_request(rid)
         completed = False
@@ -141,12 +142,13 @@ class NativeRunner:
                     with request_scope(ctx):
                         out = self.denoiser(placement.expert, **kwargs)
                     outputs[branch] = self.driver.velocity_for(prepared, out)
+                issued = time.perf_counter()
                 if cfg:
                     velocity = outputs["uncond"] + scale * (outputs["cond"] - outputs["uncond"])
                 else:
                     velocity = outputs["cond"]
                 latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-                _close_step(timings, t_step, self.device)
+                _close_step(timings, t_step, issued, self.device)
             timings["denoise_s"] = time.perf_counter() - t_loop - between.seconds
             between.record(timings)
             completed = True
