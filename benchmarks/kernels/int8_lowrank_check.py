@@ -1,8 +1,9 @@
 """Correctness and time of the fused INT8 quantizer + low-rank kernels' launch shapes at the W81 FFN widths (CUDA).
 
-Two kernels: the quantizer + low-rank down projection (:mod:`...int8_quant_lowrank`, the up projection's input) and
-the GELU producer (:mod:`...int8_gelu_quant`, the down projection's input). For K 1,536 and 8,960 (M 32,760 tokens,
-rank 32, smoothing) and every launch shape ``block_m`` 16/32/64 x ``block_k`` 64/128/256 x 4/8 warps (and the
+Three kernels: the quantizer + low-rank down projection (:mod:`...int8_quant_lowrank`, the up projection's input),
+the GELU producer (:mod:`...int8_gelu_quant`, the down projection's input) and its single pass with given row maxima
+(``gelu_single_pass``: no smoothing, ``row_max`` of the input; ``--kernels`` picks). For K 1,536 and 8,960 (M 32,760
+tokens, rank 32, smoothing except for the single pass) and every launch shape ``block_m`` 16/32/64 x ``block_k`` 64/128/256 x 4/8 warps (and the
 default), each shape runs ``--repeats`` times:
 
 * codes and scales bitwise against the torch reference quantizer (the quantizer kernel only: the producer does not
@@ -68,15 +69,21 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
     inv = torch.rand(k, generator=g, device="cuda") + 0.5
     down = (torch.randn(RANK, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     q_ref, s_ref = triton_quantize_rows_int8(x, inv)
+    rm = x.amax(dim=1).float().clamp_min(0.0)
     kernels = {
         "quant_lowrank": (lambda **kw: triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False, **kw),
                           q_ref, s_ref, F.linear(x, down).float()),
         # the producer's GELU output is not returned: t against F.linear of torch's GELU (a few ulps apart)
         "gelu_quant_lowrank": (lambda **kw: triton_gelu_quantize_rows_int8_lowrank(x, "tanh", inv, down, **kw),
                                None, None, F.linear(F.gelu(x, approximate="tanh"), down).float()),
+        "gelu_single_pass": (lambda **kw: triton_gelu_quantize_rows_int8_lowrank(x, "tanh", None, down, row_max=rm,
+                                                                                 **kw),
+                             None, None, F.linear(F.gelu(x, approximate="tanh"), down).float()),
     }
     out: dict[str, list[dict[str, Any]]] = {}
     for name, (run, q, s, t_ref) in kernels.items():
+        if name not in args.kernels:
+            continue
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in SHAPES + [{}]]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in
@@ -92,6 +99,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--kernels", nargs="+", default=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"],
+                   choices=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"])
     args = p.parse_args()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "widths": {}}
     for k in (1536, 8960):

@@ -16,7 +16,13 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   ``bf16_gelu_linear_bias`` (torch's GELU of the up projection's output ``h``, then ``F.linear``; the anchor of
   this pair) against ``w4a8_gelu_producer`` (GELU + smoothing + INT8 + low-rank down in one kernel
   (:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`), then the persistent GEMM); its ratio is to
-  that anchor.
+  that anchor. ``w4a8_gelu_single_pass`` is the same pair for an unsmoothed down projection when the up GEMM has
+  handed over the row maxima (the producer reads ``h`` once); ``gemm_only_row_max`` (up projection) is the GEMM
+  alone with that epilogue (its cost is the difference to ``gemm_only``);
+* the whole FFN (``--ffn``, section ``ffn``): ``bf16_ffn`` (``F.linear`` up, torch GELU, ``F.linear`` down, with
+  biases) against the plugin's fused W4A8 FFN, ``w4a8_ffn_two_pass`` (smoothed down projection: two-pass
+  producer) and ``w4a8_ffn_single_pass`` (unsmoothed down projection: row maxima from the up GEMM, one-pass
+  producer), each exactly as :class:`worldfoundry_svdquant.ffn_fusion_w4a8.FusedW4A8FFN` runs it.
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -41,7 +47,11 @@ import torch.nn.functional as F
 from cuda_timing import time_ms
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
-from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
+from worldfoundry.core.acceleration.kernels.svdquant_dispatch import (
+    BackendChoice,
+    svdquant_linear,
+    w4a8_gemm_from_codes,
+)
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
@@ -84,21 +94,76 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
             qg, sg, tg = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", inv, down)
             return gluon_w4a8_persistent_gemm(qg, sg, weight, tg, bias)
 
+        raw = SVDQuantWeight(packed, scales, 0, lora_down=down, lora_up=up)
+        rm = h.amax(dim=1).float().clamp_min(0.0)
+
+        def single_pass() -> torch.Tensor:
+            qg, sg, tg = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm)
+            return gluon_w4a8_persistent_gemm(qg, sg, raw, tg, bias)
+
         fns["bf16_gelu_linear_bias"] = lambda: F.linear(F.gelu(h, approximate="tanh"), w, bias)
         fns["w4a8_gelu_producer"] = producer
+        fns["w4a8_gelu_single_pass"] = single_pass
+    else:
+        fns["gemm_only_row_max"] = lambda: gluon_w4a8_persistent_gemm(
+            q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"))
     return fns, ran
 
 
+def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dict[str, str]]:
+    """The whole FFN: bf16 against the fused W4A8 FFN with a smoothed and an unsmoothed down projection."""
+    g = torch.Generator(device="cuda").manual_seed(d + hidden)
+    x = torch.randn(M_TOKENS, d, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(hidden, d, device="cuda", generator=g) / d**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(d, hidden, device="cuda", generator=g) / hidden**0.5).to(torch.bfloat16)
+    b1 = torch.randn(hidden, device="cuda", generator=g).to(torch.bfloat16)
+    b2 = torch.randn(d, device="cuda", generator=g).to(torch.bfloat16)
+
+    def svd_weight(w: torch.Tensor, smooth: bool) -> SVDQuantWeight:
+        k = w.shape[1]
+        packed, scales = quantize_int4_groupwise(w, 0)
+        inv = (torch.rand(k, device="cuda", generator=g) + 0.5).float() if smooth else None
+        down = (torch.randn(RANK, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+        up = (torch.randn(w.shape[0], RANK, device="cuda", generator=g) / RANK**0.5).to(torch.bfloat16)
+        return SVDQuantWeight(packed, scales, 0, inv_smooth=inv, lora_down=down, lora_up=up)
+
+    up_w, down_smooth, down_raw = svd_weight(w1, True), svd_weight(w2, True), svd_weight(w2, False)
+
+    def fused(down_w: SVDQuantWeight) -> torch.Tensor:  # FusedW4A8FFN.run without the plugin's bookkeeping
+        single = down_w.inv_smooth is None
+        row_max = torch.zeros(M_TOKENS, device="cuda") if single else None
+        h, _ = svdquant_linear(x, up_w, b1, backend="w4a8", row_max=row_max)
+        q, s, t = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", down_w.inv_smooth, down_w.lora_down,
+                                                         row_max=row_max)
+        return w4a8_gemm_from_codes(q, s, down_w, t, b2, torch.bfloat16, BackendChoice("w4a8"))[0]
+
+    fns = {"bf16_ffn": lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2),
+           "w4a8_ffn_two_pass": lambda: fused(down_smooth),
+           "w4a8_ffn_single_pass": lambda: fused(down_raw)}
+    ran = {"w4a8_ffn_single_pass": svdquant_linear(x, up_w, b1, backend="w4a8",
+                                                   row_max=torch.zeros(M_TOKENS, device="cuda"))[1].backend}
+    return fns, ran
+
+
+PRODUCER_ROWS = ("bf16_gelu_linear_bias", "w4a8_gelu_producer", "w4a8_gelu_single_pass")
+
+
+def anchor_of(name: str) -> str:
+    """The bf16 row a variant's ratio is taken against."""
+    if name in PRODUCER_ROWS:
+        return "bf16_gelu_linear_bias"
+    return "bf16_ffn" if "ffn" in name else "bf16_linear_bias"
+
+
 def shape_section(k: int, n: int, blocks: int, reps: int) -> dict[str, Any]:
-    fns, ran = variants(k, n)
+    fns, ran = variants(k, n) if k else ffn_variants()
     per_block: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(blocks):
         for name, fn in fns.items():
             per_block[name].append(time_ms(fn, 2, reps))
     rows = {}
     for name, times in per_block.items():
-        anchor = "bf16_gelu_linear_bias" if name in ("bf16_gelu_linear_bias", "w4a8_gelu_producer") else \
-            "bf16_linear_bias"
+        anchor = anchor_of(name)
         ratios = [b / t for b, t in zip(per_block[anchor], times)]
         rows[name] = {"anchor": anchor, "ms_per_block": times, "median_ms": statistics.median(times),
                       "speedup_vs_bf16": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
@@ -110,12 +175,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--ffn", action="store_true", help="also time the whole FFN (section 'ffn')")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps) for k, n in SHAPES}
+    if args.ffn:
+        shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
-              "reps": args.reps, "shapes": {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps)
-                                            for k, n in SHAPES}}
+              "reps": args.reps, "shapes": shapes}
     (out / "w4a8_linear.json").write_text(json.dumps(report, indent=1))
     for key, sec in report["shapes"].items():
         print(key, "ran:", sec["backend_ran"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worldfoundry_svdquant.ffn_fusion_w4a8 import FUSED_KIND_W4A8, SKIP_NOT_BF16
+from worldfoundry_svdquant.ffn_fusion_w4a8 import FUSED_KIND_W4A8, SINGLE_PASS_KIND, SKIP_NOT_BF16
 from worldfoundry_svdquant.plugin import prepare
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
 from worldfoundry.core.acceleration.context import RequestContext, request_scope
@@ -52,6 +52,25 @@ def test_fused_ffn_runs_one_producer_and_restores_exactly(kit, bf16_wan, tmp_pat
     assert record["fallbacks"] == {} and not record.get("skipped")
     # stated tolerance: only the GELU's rounding differs from the per-Linear path (a few codes one apart)
     assert float((fused.float() - per_linear.float()).norm() / per_linear.float().norm()) < 0.01  # measured 0.0016
+    session.uninstall()
+    kit.assert_same(before, kit.fingerprint(bf16_wan))
+
+
+def test_an_unsmoothed_down_projection_reads_the_up_output_once(kit, bf16_wan, tmp_path):
+    """``net.2`` calibrated without smoothing: the up GEMM hands the row maxima to the producer, which reads ``h``
+    once; the receipt says so, and the output stays as close to the per-Linear path as the two-pass producer."""
+    artifact = kit.calibrate(bf16_wan, tmp_path / "bf16u.json", unsmoothed=("blocks.*.ffn.2",))
+    before = kit.fingerprint(bf16_wan)
+    session = _install(bf16_wan, artifact, fuse_gelu=False)
+    per_linear, _ = _run(kit, bf16_wan, session, "r0", torch.bfloat16)
+    session.uninstall()
+    session = _install(bf16_wan, artifact)
+    fused, record = _run(kit, bf16_wan, session, "r1", torch.bfloat16)
+    for ffn in FFNS:
+        assert record["modules"][ffn] == {FUSED_KIND_W4A8: 1, SINGLE_PASS_KIND: 1}
+        assert record["modules"][f"{ffn}.net.2"] == {"w4a8": 1}
+    assert record["fallbacks"] == {} and not record.get("skipped")
+    assert float((fused.float() - per_linear.float()).norm() / per_linear.float().norm()) < 0.01
     session.uninstall()
     kit.assert_same(before, kit.fingerprint(bf16_wan))
 

@@ -12,6 +12,12 @@ the FFN's forward is replaced (through the :class:`PatchRecorder`, undone exactl
               and t = GELU(h) @ D.T                         no separate quantizer or low-rank GEMM)
     y = W4A8 GEMM of (q, s, t) with net.2's weight + bias  (Gluon on Hopper for per-channel weights, else Triton)
 
+When ``net.2`` was calibrated without smoothing (``--unsmoothed``), the up projection's GEMM also writes each
+row's largest output (its epilogue, an atomic maximum; a reduction after the Triton GEMM), and the producer reads
+``h`` **once** with the row scales known in advance (``max(GELU(hmax), 0.171875) / 127``:
+:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`): the receipt then also counts
+``w4a8_gelu_single_pass`` on the FFN. A smoothed ``net.2`` takes the two-pass producer.
+
 The receipt gets each Linear's backend (``w4a8`` or ``w4a8_gluon``) and ``w4a8_gelu_fused`` for the FFN path.
 The kernel's GELU (:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`) is within a stated bound of
 the exact formula, not bitwise torch's ``F.gelu``. A call runs the original ``FeedForward.forward`` instead --
@@ -40,6 +46,8 @@ from worldfoundry.core.acceleration.kernels.svdquant_dispatch import (
 
 #: ``ledger.executed`` kind of one fused FFN call (recorded on the FFN path).
 FUSED_KIND_W4A8: Final = "w4a8_gelu_fused"
+#: ``ledger.executed`` kind of a fused FFN call whose producer read ``h`` once (row maxima from the up GEMM).
+SINGLE_PASS_KIND: Final = "w4a8_gelu_single_pass"
 PREFIX: Final = "w4a8_gelu_fusion"
 _MESSAGES: Final = skip_messages(PREFIX)
 SKIP_NOT_BF16: Final = f"{PREFIX}: input not bfloat16"
@@ -73,19 +81,25 @@ class FusedW4A8FFN(FusedFFNForward):
         if runtime.guard is not None:
             runtime.guard.verify(up.path)
             runtime.guard.verify(down.path)
-        h, up_ran = svdquant_linear(x, up.weight, up.linear.bias, backend="w4a8")
+        single = down.weight.inv_smooth is None
+        rows = x.numel() // up.weight.in_features
+        row_max = torch.zeros(rows, dtype=torch.float32, device=x.device) if single else None
+        h, up_ran = svdquant_linear(x, up.weight, up.linear.bias, backend="w4a8", row_max=row_max)
         h2d = h.reshape(-1, up.weight.out_features)
         q, scale, t = triton_gelu_quantize_rows_int8_lowrank(h2d, self.plan.activation.approximate,
-                                                             down.weight.inv_smooth, down.weight.lora_down)
+                                                             down.weight.inv_smooth, down.weight.lora_down,
+                                                             row_max=row_max)
         out, down_ran = w4a8_gemm_from_codes(q, scale, down.weight, t, down.linear.bias, x.dtype,
                                              BackendChoice("w4a8"))
         runtime.ledger.executed(up.path, up_ran.backend)
         runtime.ledger.executed(down.path, down_ran.backend)
         runtime.ledger.executed(self.plan.claim, FUSED_KIND_W4A8)
+        if single:
+            runtime.ledger.executed(self.plan.claim, SINGLE_PASS_KIND)
         for ran in (up_ran, down_ran):
             if ran.reason:
                 runtime.ledger.count("backend_reason: " + ran.reason)
         return out.reshape(*x.shape[:-1], down.weight.out_features)
 
 
-__all__ = ["FUSED_KIND_W4A8", "SKIP_NOT_BF16", "FusedW4A8FFN"]
+__all__ = ["FUSED_KIND_W4A8", "SINGLE_PASS_KIND", "SKIP_NOT_BF16", "FusedW4A8FFN"]

@@ -14,10 +14,12 @@ import torch
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_quantize_rowwise_fp8
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import (
+    GELU_NEGATIVE_BOUND,
+    given_row_magnitudes,
     reference_gelu_quantize_rows_int8_lowrank,
     triton_gelu_quantize_rows_int8_lowrank,
 )
-from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8, quantize_rows_int8_with_max
 from worldfoundry.errors import QuantizationInputError
 
 pytestmark = pytest.mark.skipif(
@@ -70,3 +72,68 @@ def test_no_rows():
     q, s, t = triton_gelu_quantize_rows_int8_lowrank(torch.zeros(0, 128, dtype=torch.bfloat16), "tanh", None,
                                                      torch.zeros(16, 128, dtype=torch.bfloat16))
     assert q.shape == (0, 128) and s.shape == (0, 1) and t.shape == (0, 16)
+
+
+def _row_max(h: torch.Tensor) -> torch.Tensor:
+    """What the up projection's GEMM merges: each row's largest value, floored at 0."""
+    return h.float().amax(dim=1).clamp_min(0.0).contiguous()
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("m,k", [(37, 256), (5, 200), (19, 1100)])
+def test_given_row_maxima_codes_bitwise_given_the_kernels_gelu(m, k, approximate):
+    """One pass with the row maxima given: codes and scales bitwise the reference quantizer's against the given
+    magnitudes (of the kernel's own GELU); ``t`` as in the two-pass form."""
+    h, _, down = _operands(m, k, False)
+    h[2] = -(h[2].abs())  # a row with no positive value: the negative bound sets its scale
+    rm = _row_max(h)
+    q, s, t = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down, row_max=rm)
+    g = triton_gelu_quantize_rowwise_fp8(h, approximate, return_activation=True)[2]
+    top = triton_gelu_quantize_rowwise_fp8(rm.to(torch.bfloat16)[:, None], approximate, return_activation=True)[2]
+    amax = top.float().clamp_min(GELU_NEGATIVE_BOUND)
+    q_ref, s_ref = quantize_rows_int8_with_max(g.float(), amax)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert float(s[2]) == pytest.approx(GELU_NEGATIVE_BOUND / 127, rel=1e-7)
+    t_ref = (g.float() @ down.float().t()).to(torch.bfloat16).float()
+    assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_given_row_maxima_match_the_measured_ones_where_a_row_reaches_the_bound(approximate):
+    """Rows whose largest value is above about 0.28 get the same magnitude the two-pass form measures, so the same
+    codes; the bound covers every negative value, so no code of a low row clamps."""
+    h, _, down = _operands(48, 384, False, seed=5)
+    h[1] = 0.0
+    rm = _row_max(h)
+    q1, s1, t1 = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down, row_max=rm)
+    q2, s2, t2 = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down)
+    high = rm > 0.3
+    assert int(high.sum()) >= 40
+    assert torch.equal(q1[high], q2[high]) and torch.equal(s1[high], s2[high]) and torch.equal(t1, t2)
+    assert float(s1[1]) == pytest.approx(GELU_NEGATIVE_BOUND / 127, rel=1e-7) and int(q1[1].abs().max()) == 0
+
+
+def test_negative_bound_covers_every_negative_bfloat16():
+    """``|bf16(GELU(x))| < GELU_NEGATIVE_BOUND`` for every negative bfloat16 ``x`` (both forms, exact formula),
+    with the margin the kernel's approximation needs (``2**-8`` relative)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    neg = x[torch.isfinite(x) & (x < 0)].double()
+    for approximate in ("tanh", "none"):
+        worst = torch.nn.functional.gelu(neg, approximate=approximate).abs().max()
+        assert float(worst) * (1 + 2**-8) < GELU_NEGATIVE_BOUND
+
+
+def test_given_row_maxima_reference_and_refusals():
+    h, inv, down = _operands(16, 128, True, seed=2)
+    rm = _row_max(h)
+    q_ref, s_ref, _ = reference_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm)
+    magnitudes = given_row_magnitudes(rm, "tanh")
+    assert torch.equal(s_ref, torch.div(magnitudes, torch.full_like(magnitudes, 127.0)))
+    q, s, _ = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm)
+    assert int((q.int() - q_ref.int()).abs().max()) <= 1
+    with pytest.raises(QuantizationInputError, match="row_max needs an unsmoothed down projection"):
+        triton_gelu_quantize_rows_int8_lowrank(h, "tanh", inv, down, row_max=rm)
+    with pytest.raises(QuantizationInputError, match=r"row_max must be a contiguous float32 \[16\]"):
+        triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm[:8])
+    with pytest.raises(QuantizationInputError, match="row_max must be"):
+        reference_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm.double())

@@ -64,3 +64,22 @@ def test_bad_operands_are_typed_errors():
         triton_quantize_rows_int8_lowrank(x, None, torch.zeros(8, 128, dtype=torch.bfloat16))
     with pytest.raises(QuantizationInputError, match="down factor bfloat16"):
         triton_quantize_rows_int8_lowrank(x, None, torch.zeros(16, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("group", [64, 0])
+def test_w4a8_linear_merges_each_output_rows_maximum(group):
+    """``row_max`` receives max(what it held, the row's largest output, 0): from the Triton GEMM's output here."""
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(96, 128, generator=g) * 0.2, torch.randn(96, generator=g).to(torch.bfloat16)
+    weight = pad_rank(decompose(w, rank=8, group_size=group, act_absmax=torch.rand(128, generator=g) + 0.5))
+    x = torch.randn(2, 9, 128, generator=g).to(torch.bfloat16)
+    row_max = torch.zeros(18)
+    row_max[3] = 1e6  # a larger value already there stays
+    y, _ = svdquant_linear(x, weight, b, backend="w4a8", row_max=row_max)
+    expected = y.reshape(18, 96).amax(dim=1).float().clamp_min(0.0)
+    expected[3] = 1e6
+    assert torch.equal(row_max, expected)
+    with pytest.raises(QuantizationInputError, match="row_max is written by the W4A8 GEMM"):
+        svdquant_linear(x, weight, b, backend="reference", row_max=torch.zeros(18))
+    with pytest.raises(QuantizationInputError, match=r"row_max must be a contiguous float32 \[18\]"):
+        svdquant_linear(x, weight, b, backend="w4a8", row_max=torch.zeros(17))

@@ -143,3 +143,32 @@ def test_kernel_small(mkn, tile) -> None:
 def test_kernel_w81_shapes(kn) -> None:
     """The Wan 1.3B FFN shapes with a ragged token count (4,100 = 16 * 256 + 4)."""
     _kernel_matches(4100, *kn, DEFAULT_PERSISTENT_TILE)
+
+
+def test_row_max_output_is_checked_before_any_launch() -> None:
+    ops = _operands(8, 128, 64, rank=0)
+    for bad in (torch.zeros(7), torch.zeros(8, dtype=torch.float64), torch.zeros(16)[::2]):
+        with pytest.raises(QuantizationInputError, match=r"row_max must be a contiguous float32 \[8\]"):
+            gluon_w4a8_persistent_gemm(ops["q"], ops["s"], ops["w"], row_max=bad)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("tile", TILES[:2] + TILES[3:], ids=lambda t: "x".join(map(str, t.to_json().values())))
+@pytest.mark.parametrize("mkn", [(77, 384, 136), (4100, 1536, 8960)])
+def test_row_max_epilogue(mkn, tile) -> None:
+    """The epilogue merges each row's largest bfloat16 output (floored at 0) into ``row_max``: equal to a reduction
+    of the output, the same on every run, larger values already there kept; the output is unchanged by it."""
+    m, k, n = mkn
+    if k % tile.block_k:
+        pytest.skip("K is not a multiple of the tile's block_k")
+    ops = _operands(m, k, n, device="cuda", seed=4)
+    plain = gluon_w4a8_persistent_gemm(ops["q"], ops["s"], ops["w"], ops["t"], ops["bias"], tile=tile)
+    expected = plain.amax(dim=1).float().clamp_min(0.0)
+    for _ in range(3):
+        row_max = torch.zeros(m, device="cuda")
+        row_max[0] = 1e30
+        out = gluon_w4a8_persistent_gemm(ops["q"], ops["s"], ops["w"], ops["t"], ops["bias"], tile=tile,
+                                         row_max=row_max)
+        assert torch.equal(out, plain)
+        assert float(row_max[0]) == 1e30 and torch.equal(row_max[1:], expected[1:])

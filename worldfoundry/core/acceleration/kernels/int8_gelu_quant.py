@@ -10,6 +10,17 @@ and ``t``. One program of ``BLOCK_M`` rows makes two passes over ``BLOCK_K`` chu
    accumulation);
 2. ``g`` again (the same instructions, the same bits), the codes ``clamp(round_half_even(ĝ * (127 / a)), ±127)``.
 
+**Single pass with the row maxima given** (``row_max``, unsmoothed down projections only): when the up
+projection's GEMM already merged each row's largest output ``hmax`` (floored at 0) into ``row_max``
+(:func:`~worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent.gluon_w4a8_persistent_gemm`'s ``row_max``),
+the row magnitude is known before the row is read: ``a = max(GELU(hmax), GELU_NEGATIVE_BOUND)``. GELU rises on
+``x > 0``, so its largest positive value in the row is ``GELU(hmax)``; on ``x < 0`` it never falls below
+``-0.1700`` (bfloat16 ``-0.1699``; the bound, ``0.171875``, is above that even with this kernel's approximation).
+So ``|g| <= a`` for every element, and the codes ``clamp(round_half_even(g * (127 / a)), ±127)`` need one read
+of ``h`` instead of two. ``a`` equals the measured maximum except for rows whose every value is below about
+``0.28``, which get the slightly coarser scale ``0.171875 / 127``; an element that rounds one bfloat16 step above
+``GELU(hmax)`` (the kernel's GELU is approximate) clamps to ±127.
+
 The GELU is the one of :mod:`~worldfoundry.core.acceleration.kernels.fp8_gelu_quant` (the same Triton function):
 within ``2**-8 * |gelu(x)| + 2**-20 * |x|`` of the float64 formula, equal to torch's bfloat16 GELU for most but
 not all elements. Given that activation, the codes and scales are **bitwise**
@@ -34,7 +45,7 @@ import torch.nn.functional as F
 from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS, check_approximate
 from worldfoundry.core.acceleration.kernels.int8_act_quant import TRITON_AVAILABLE, interpreter_enabled
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import check_quant_lowrank_operands
-from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8, quantize_rows_int8_with_max
 from worldfoundry.errors import QuantizationInputError
 
 #: Rows per program, chunk width and warps on CUDA: the fastest launch shape at both W81 widths in the H200 grid
@@ -43,6 +54,13 @@ from worldfoundry.errors import QuantizationInputError
 DEFAULT_BLOCK_M: Final = 16
 DEFAULT_BLOCK_K: Final = 128
 DEFAULT_WARPS: Final = 4
+#: ``|GELU(x)|`` for ``x < 0`` is at most 0.17004 (tanh form; 0.16997 exact), 0.1699 in bfloat16, and at most
+#: 0.1709 with the kernel's approximation (within ``2**-8`` relative): a bfloat16 number above all of them.
+GELU_NEGATIVE_BOUND: Final = 0.171875
+#: Launch shape of the single pass with given row maxima (rows, chunk width, warps).
+GIVEN_MAX_BLOCK_M: Final = 64
+GIVEN_MAX_BLOCK_K: Final = 256
+GIVEN_MAX_WARPS: Final = 8
 
 if TRITON_AVAILABLE:
     import triton
@@ -100,20 +118,75 @@ if TRITON_AVAILABLE:
         tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
 
 
+    @triton.jit
+    def _gelu_int8_given_max_kernel(h_ptr, rm_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_hm, c0, c1, neg_bound,
+                                    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    WIDEN: tl.constexpr, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
+                                    SOFTWARE_ROUNDING: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        row_base = rows.to(tl.int64) * stride_hm
+        out_base = rows.to(tl.int64) * K
+        r = tl.arange(0, RANK)
+        top = tl.load(rm_ptr + rows, mask=rmask, other=0.0)
+        amax = tl.maximum(_gelu_to_bfloat16(top, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING), neg_bound)
+        rcp = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), amax)
+        t = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g, xs, m, cols = _gelu_chunk(h_ptr, rm_ptr, row_base, rmask, k0, K, c0, c1, BLOCK_K, False,
+                                         ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+            d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None], mask=(cols < K)[:, None], other=0.0)
+            if WIDEN:  # the interpreter multiplies bfloat16 wrongly: widen (exact; g is on the bfloat16 grid)
+                t = tl.dot(g, d.to(tl.float32), t)
+            else:
+                t = tl.dot(g.to(tl.bfloat16), d, t)
+            _store_codes(q_ptr, out_base, g, rcp, m, cols)
+        tl.store(s_ptr + rows, tl.div_rn(amax, 127.0), mask=rmask)
+        t_ptrs = t_ptr + rows.to(tl.int64)[:, None] * RANK + r[None, :]
+        tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
+
+
+def given_row_magnitudes(row_max: torch.Tensor, approximate: str) -> torch.Tensor:
+    """Torch reference of the single pass's row magnitudes: ``max(bf16 GELU(row_max), GELU_NEGATIVE_BOUND)``,
+    float32 ``[M, 1]`` (``row_max`` holds bfloat16 values: the up projection's row maxima)."""
+    top = F.gelu(row_max.to(torch.bfloat16), approximate=check_approximate(approximate)).float()
+    return top.clamp_min(GELU_NEGATIVE_BOUND).reshape(-1, 1)
+
+
 def reference_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, inv_smooth: torch.Tensor | None,
-                                              lora_down: torch.Tensor | None
+                                              lora_down: torch.Tensor | None, row_max: torch.Tensor | None = None
                                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Torch reference: ``g = F.gelu(h, approximate)`` (the dense model's activation), the reference quantizer's
-    codes and scales of ``g``, and ``t = bf16(g) @ D.T`` (``None`` without a down factor)."""
+    codes and scales of ``g`` (with ``row_max``: against :func:`given_row_magnitudes`, no smoothing), and
+    ``t = bf16(g) @ D.T`` (``None`` without a down factor)."""
     g = F.gelu(h, approximate=check_approximate(approximate))
-    q, scale = quantize_rows_int8(g, inv_smooth)
+    if row_max is None:
+        q, scale = quantize_rows_int8(g, inv_smooth)
+    else:
+        _check_given_max(row_max, inv_smooth, g.reshape(-1, g.shape[-1]).shape[0])
+        q, scale = quantize_rows_int8_with_max(g.reshape(-1, g.shape[-1]).float(),
+                                               given_row_magnitudes(row_max, approximate))
     rows = g.reshape(-1, g.shape[-1])
     t = None if lora_down is None else F.linear(rows.to(lora_down.dtype), lora_down)
     return q, scale, t
 
 
+def _check_given_max(row_max: torch.Tensor, inv_smooth: torch.Tensor | None, m: int) -> None:
+    if inv_smooth is not None:
+        raise QuantizationInputError("gelu_quantize_rows_int8_lowrank: row_max needs an unsmoothed down projection "
+                                     "(a smoothed row's maximum is not GELU of the up projection's maximum); "
+                                     "pass row_max=None")
+    if not isinstance(row_max, torch.Tensor) or row_max.dtype != torch.float32 or tuple(row_max.shape) != (m,) \
+            or not row_max.is_contiguous():
+        raise QuantizationInputError(f"gelu_quantize_rows_int8_lowrank: row_max must be a contiguous float32 [{m}] "
+                                     f"tensor, got {getattr(row_max, 'dtype', type(row_max))} "
+                                     f"{tuple(getattr(row_max, 'shape', ()))}")
+
+
 def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, inv_smooth: torch.Tensor | None,
-                                           lora_down: torch.Tensor, *, block_m: int | None = None,
+                                           lora_down: torch.Tensor, *, row_max: torch.Tensor | None = None,
+                                           block_m: int | None = None,
                                            block_k: int | None = None, num_warps: int | None = None,
                                            portable_math: bool | None = None, software_rounding: bool | None = None
                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,6 +198,9 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
         approximate: ``"tanh"`` or ``"none"``, as ``torch.nn.functional.gelu``.
         inv_smooth: optional float32 ``[K]`` (the down projection's ``1/λ``).
         lora_down: bfloat16 ``[r, K]``, ``r`` a power of two >= 16 (rank padded).
+        row_max: optional float32 ``[M]``, each row's largest ``h`` floored at 0 (the up projection's GEMM
+            writes it): one pass over ``h`` with the row magnitudes of :func:`given_row_magnitudes` (the module
+            docstring); needs ``inv_smooth=None``. Launch shape :data:`GIVEN_MAX_BLOCK_M` etc.
         block_m / block_k / num_warps: launch shape (defaults :data:`DEFAULT_BLOCK_M`, :data:`DEFAULT_BLOCK_K`,
             :data:`DEFAULT_WARPS`; 16 / 64 / 4 under the interpreter).
         portable_math / software_rounding: tanh/erf without libdevice, bfloat16 rounding in bit arithmetic
@@ -150,7 +226,20 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     q = torch.empty((m, k), dtype=torch.int8, device=h.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=h.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=h.device)
+    if row_max is not None:
+        _check_given_max(row_max, inv_smooth, m)
     if m == 0:
+        return q, scale, t
+    if row_max is not None:
+        bm = block_m or (16 if interp else GIVEN_MAX_BLOCK_M)
+        _gelu_int8_given_max_kernel[(triton.cdiv(m, bm),)](
+            h, row_max, lora_down, q, scale, t, m, k, h.stride(0), c0, c1, GELU_NEGATIVE_BOUND, RANK=rank,
+            BLOCK_M=bm, BLOCK_K=block_k or (64 if interp else GIVEN_MAX_BLOCK_K), WIDEN=h.device.type != "cuda",
+            ACTIVATION=activation, PORTABLE_MATH=interp if portable_math is None else portable_math,
+            SOFTWARE_ROUNDING=interp if software_rounding is None else software_rounding,
+            num_warps=num_warps or (4 if interp else GIVEN_MAX_WARPS),
+            enable_fp_fusion=False,  # g * rcp must round before the rounding addition (no FMA)
+        )
         return q, scale, t
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
     _gelu_int8_lowrank_kernel[(triton.cdiv(m, bm),)](
@@ -165,5 +254,6 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     return q, scale, t
 
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "reference_gelu_quantize_rows_int8_lowrank",
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "GELU_NEGATIVE_BOUND", "GIVEN_MAX_BLOCK_K",
+           "GIVEN_MAX_BLOCK_M", "GIVEN_MAX_WARPS", "given_row_magnitudes", "reference_gelu_quantize_rows_int8_lowrank",
            "triton_gelu_quantize_rows_int8_lowrank"]

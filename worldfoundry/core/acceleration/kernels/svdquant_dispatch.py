@@ -37,7 +37,7 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import CHANNEL_ACT_GROUPS, triton_w4a8_gemm, triton_w4a16_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAILABLE
-from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import check_row_max, gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
@@ -161,7 +161,8 @@ def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | No
 def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, *,
                     backend: str = "auto", fused_lowrank: bool | None = None,
                     scaled: ScaledMMWeight | None = None, fast_accum: bool = True,
-                    one_launch: bool = False, act_group: int | None = None) -> tuple[torch.Tensor, BackendChoice]:
+                    one_launch: bool = False, act_group: int | None = None,
+                    row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, BackendChoice]:
     """The SVDQuant Linear ``[..., K] -> [..., N]`` on the chosen backend.
 
     Args:
@@ -178,6 +179,9 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         act_group: INT8 activation scales per token and group of this many input channels instead of per token
             (the reference, or W4A8 with group-wise weights of that group size: the Triton GEMM); other
             backends refuse it.
+        row_max: W4A8 only: float32 ``[M]`` (``M`` rows of ``x``) into which each output row's largest value,
+            floored at 0, is merged (pass zeros): the persistent GEMM's epilogue writes it, the Triton GEMM's output
+            is reduced after it. The FFN producer fusion reads it (one pass over the output).
 
     Returns:
         ``(output in x.dtype, BackendChoice that ran)``.
@@ -191,6 +195,9 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     if x.device != weight.device:
         raise QuantizationInputError(f"svdquant linear: input on {x.device}, weights on {weight.device}")
     choice = choose_backend(x.device, backend, weight.group_size)
+    if row_max is not None and (choice.backend != "w4a8" or act_group is not None):
+        raise QuantizationInputError(f"svdquant linear: row_max is written by the W4A8 GEMM with per-token "
+                                     f"activation scales only (backend {choice.backend}, act_group {act_group})")
     if act_group is not None:
         return _grouped_activations(x, weight, bias, act_group, choice)
     if choice.backend == "w4f8":
@@ -214,7 +221,7 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         else:
             t = lowrank_down(x2d, weight)
             q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
-        out, choice = w4a8_gemm_from_codes(q, scale, weight, t, bias, x.dtype, choice)
+        out, choice = w4a8_gemm_from_codes(q, scale, weight, t, bias, x.dtype, choice, row_max=row_max)
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
@@ -238,20 +245,25 @@ def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Te
 
 
 def w4a8_gemm_from_codes(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
-                         bias: torch.Tensor | None, out_dtype: torch.dtype,
-                         choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
+                         bias: torch.Tensor | None, out_dtype: torch.dtype, choice: BackendChoice, *,
+                         row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, BackendChoice]:
     """The W4A8 GEMM of quantized activations (``q`` int8 ``[M, K]``, ``scale`` ``[M, 1]``, ``t`` the low-rank
     down projection or ``None``), returning the output in ``out_dtype`` and what ran: the persistent Gluon kernel
     (asynchronous int8 ``wgmma``) for per-channel weights on a Hopper GPU, else the Triton one; a Gluon refusal
-    is named in the reason."""
+    is named in the reason. ``row_max`` (float32 ``[M]``) receives each output row's largest value floored at 0,
+    merged with what it holds (the Gluon epilogue; after the Triton GEMM, a reduction of its output)."""
     reason = choice.reason
+    check_row_max(row_max, q.shape[0], q.device)
     if weight.group_size == PER_CHANNEL and _hopper(q.device) and GLUON_AVAILABLE and not interpreter_enabled():
         try:
-            out = gluon_w4a8_persistent_gemm(q, scale, weight, t, bias)
+            out = gluon_w4a8_persistent_gemm(q, scale, weight, t, bias, row_max=row_max)
             return out.to(out_dtype), BackendChoice(W4A8_GLUON, reason)
         except QuantizationInputError as exc:  # not a Hopper GPU, or operands outside the kernel's shapes
             reason = reason or f"gluon w4a8 refused: {exc}"
-    return triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=out_dtype), BackendChoice("w4a8", reason)
+    out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=out_dtype)
+    if row_max is not None and out.shape[0]:
+        torch.maximum(row_max, out.amax(dim=1).float().clamp_min(0.0), out=row_max)
+    return out, BackendChoice("w4a8", reason)
 
 
 def _w4f8(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, scaled: ScaledMMWeight | None,

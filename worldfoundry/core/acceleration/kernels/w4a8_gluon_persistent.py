@@ -128,7 +128,8 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: PersistentTile, dims: tuple[int, ...]) -> None:
+def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: PersistentTile, dims: tuple[int, ...],
+            row_max: torch.Tensor | None = None) -> None:
     from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent_kernels import (
         LOADER_REGISTERS,
         w4a8_persistent_kernel,
@@ -145,10 +146,11 @@ def _launch(operands: tuple[Any, ...], out: torch.Tensor, tile: PersistentTile, 
     tiles = -(-m // tile.block_t) * -(-n // tile.block_w)
     grid = (min(tiles, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())),)
     w4a8_persistent_kernel[grid](
-        x_desc, w_desc, scale, w_scale, t_desc, u_desc, bias, out_desc, m, n, k,
+        x_desc, w_desc, scale, w_scale, t_desc, u_desc, bias, out_desc,
+        row_max.view(torch.int32) if row_max is not None else scale, m, n, k,
         W_SCALE_MUL=0.0625, LR_STEPS=rank // chunk if rank else 0, HAS_BIAS=bias is not None, STAGES=tile.stages,
         GROUP_T=tile.group_t, INSTR_N=tile.instr_n(), UNPACK=tile.unpack, LOADER_REGS=LOADER_REGISTERS,
-        num_warps=tile.warps)
+        ROW_MAX=row_max is not None, num_warps=tile.warps)
 
 
 def check_persistent_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
@@ -170,9 +172,21 @@ def check_persistent_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQ
     return dims
 
 
+def check_row_max(row_max: torch.Tensor | None, m: int, device: torch.device) -> None:
+    """A row-maximum output is float32 ``[M]``, contiguous, on the GEMM's device; else a typed error."""
+    if row_max is None:
+        return
+    if not isinstance(row_max, torch.Tensor) or row_max.dtype != torch.float32 or tuple(row_max.shape) != (m,) \
+            or not row_max.is_contiguous() or row_max.device != device:
+        raise QuantizationInputError(f"w4a8 GEMM: row_max must be a contiguous float32 [{m}] tensor on {device} "
+                                     f"(zeros, or maxima to merge with), got {getattr(row_max, 'dtype', row_max)} "
+                                     f"{tuple(getattr(row_max, 'shape', ()))}")
+
+
 def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight,
                                t: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                               tile: PersistentTile | None = None) -> torch.Tensor:
+                               tile: PersistentTile | None = None,
+                               row_max: torch.Tensor | None = None) -> torch.Tensor:
     """The per-channel SVDQuant W4A8 GEMM with a persistent, warp-specialised schedule.
 
     Args:
@@ -181,6 +195,8 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
         t: bfloat16 ``[M, r]`` = ``x @ D.T`` for the low-rank branch, else ``None``.
         bias: optional ``[N]``.
         tile: launch configuration (default :data:`DEFAULT_PERSISTENT_TILE`).
+        row_max: optional float32 ``[M]`` that receives ``max(row_max[m], max_n out[m, n], 0)`` (pass zeros for
+            each row's largest output, floored at 0): the epilogue merges it in with an atomic maximum.
 
     Returns:
         bfloat16 ``[M, N]``.
@@ -190,13 +206,14 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
     """
     tile = tile or DEFAULT_PERSISTENT_TILE
     dims = check_persistent_operands(q, scale, weight, t, bias, tile)
+    check_row_max(row_max, dims[0], q.device)
     require_hopper(q.device)
     out = torch.empty((dims[0], dims[1]), dtype=torch.bfloat16, device=q.device)
     if dims[0]:
         lora_up = weight.lora_up if dims[3] else None
-        _launch((q, scale, weight.qweight, weight.scales, t, lora_up, bias), out, tile, dims)
+        _launch((q, scale, weight.qweight, weight.scales, t, lora_up, bias), out, tile, dims, row_max)
     return out
 
 
 __all__ = ["DEFAULT_PERSISTENT_TILE", "MAX_ACC_REGISTERS", "PersistentTile", "TileShape", "check_persistent_operands",
-           "gluon_w4a8_persistent_gemm"]
+           "check_row_max", "gluon_w4a8_persistent_gemm"]

@@ -20,7 +20,12 @@ int8 and packed weight tile ``[BLOCK_W, BLOCK_K / 2]``), with a ``ready`` and an
 * **epilogue** (consumer, per tile): ``float32(acc) * s_w[n] * s_x[m]`` (the reference's order), the low-rank
   term as a bfloat16 ``wgmma`` accumulating onto it (``U`` is ``A``, ``t`` is ``B``), bias, bfloat16, stored through
   a transposed view of a shared tile with a TMA store that is left in flight: it is waited for only before the
-  shared tile is written again, one tile later, so the store overlaps the next tile's main loop.
+  shared tile is written again, one tile later, so the store overlaps the next tile's main loop;
+* **row maximum** (``ROW_MAX``, optional): the tile's largest bfloat16 output per token, floored at 0, is merged
+  into ``row_max[token]`` with an atomic maximum on the float's bits (non-negative floats order as their int32
+  bits, and a maximum does not depend on the order the tiles arrive in: the result is deterministic). A GELU
+  producer that quantizes this output per token then knows each row's scale before reading the row, and reads it
+  once (:mod:`.int8_gelu_quant`).
 
 Numerics equal :mod:`.w4a8_gluon_kernels` (int32 sum exact, scaling in the reference's order). Gluon compiles for
 CUDA only; the Triton interpreter does not run it. Importing this module needs no GPU.
@@ -185,10 +190,20 @@ if GLUON_AVAILABLE:
         tma.async_copy_shared_to_global(out_desc, [off_t, off_w], c_smem)
 
     @gluon.jit
+    def _merge_row_max(out, rm_ptr, off_t, M):
+        """``row_max[t] = max(row_max[t], max_w bf16(out[w, t]), 0)`` for the tile's tokens (int32 bits of
+        non-negative floats: an order-independent atomic maximum)."""
+        BLOCK_T: gl.constexpr = out.type.shape[1]
+        tmax = gl.maximum(gl.max(out.to(gl.bfloat16).to(gl.float32), axis=0), 0.0)
+        offs = off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out.type.layout))
+        gl.atomic_max(rm_ptr + offs, tmax.to(gl.int32, bitcast=True), mask=offs < M, sem="relaxed")
+
+    @gluon.jit
     def _consumer_partition(x_bufs, w_bufs, ready, empty, c_smem, out_desc, t_desc, u_desc, xs_ptr, ws_ptr, b_ptr,
-                            M, N, K, W_SCALE_MUL: gl.constexpr, LR_STEPS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            GROUP_T: gl.constexpr, STAGES: gl.constexpr, INSTR_N: gl.constexpr,
-                            UNPACK: gl.constexpr, NUM_WARPS: gl.constexpr):
+                            rm_ptr, M, N, K, W_SCALE_MUL: gl.constexpr, LR_STEPS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr,
+                            INSTR_N: gl.constexpr, UNPACK: gl.constexpr, ROW_MAX: gl.constexpr,
+                            NUM_WARPS: gl.constexpr):
         """MMA warpgroups: main loop, scaled epilogue with the low-rank term and bias, asynchronous TMA store."""
         BLOCK_T: gl.constexpr = x_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = x_bufs.type.shape[2]
@@ -217,14 +232,17 @@ if GLUON_AVAILABLE:
                 out, it = _add_lowrank(out, x_bufs, w_bufs, ready, empty, it, t_desc, u_desc, STAGES, LR_STEPS)
             if HAS_BIAS:
                 out = out + gl.expand_dims(bias, 1)
+            if ROW_MAX:
+                _merge_row_max(out, rm_ptr, off_t, M)
             _store_transposed(out, c_smem, out_desc, off_t, off_w)
         tma.store_wait(0)
 
     @gluon.jit
-    def w4a8_persistent_kernel(x_desc, w_desc, xs_ptr, ws_ptr, t_desc, u_desc, b_ptr, out_desc, M, N, K,
+    def w4a8_persistent_kernel(x_desc, w_desc, xs_ptr, ws_ptr, t_desc, u_desc, b_ptr, out_desc, rm_ptr, M, N, K,
                                W_SCALE_MUL: gl.constexpr, LR_STEPS: gl.constexpr, HAS_BIAS: gl.constexpr,
                                STAGES: gl.constexpr, GROUP_T: gl.constexpr, INSTR_N: gl.constexpr,
-                               UNPACK: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                               UNPACK: gl.constexpr, LOADER_REGS: gl.constexpr, ROW_MAX: gl.constexpr,
+                               num_warps: gl.constexpr):
         """Persistent program: shared ring and barriers, then the loader and consumer partitions."""
         x_bufs = gl.allocate_shared_memory(gl.int8, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -236,8 +254,8 @@ if GLUON_AVAILABLE:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([  # argument tuples inline: a tuple assigned to a name would turn constexprs into tensors
             (_consumer_partition, (x_bufs, w_bufs, ready, empty, c_smem, out_desc, t_desc, u_desc, xs_ptr, ws_ptr,
-                                   b_ptr, M, N, K, W_SCALE_MUL, LR_STEPS, HAS_BIAS, GROUP_T, STAGES, INSTR_N, UNPACK,
-                                   num_warps)),
+                                   b_ptr, rm_ptr, M, N, K, W_SCALE_MUL, LR_STEPS, HAS_BIAS, GROUP_T, STAGES, INSTR_N,
+                                   UNPACK, ROW_MAX, num_warps)),
             (_loader_partition, (x_desc, w_desc, t_desc, u_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_T, STAGES,
                                  LR_STEPS)),
         ], [1], [LOADER_REGS])

@@ -58,7 +58,13 @@ def quantize_rows_int8(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) 
     """
     _check_rows(x, inv_smooth, "quantize_rows_int8")
     rows = smoothed_rows(x, inv_smooth)
-    amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
+    return quantize_rows_int8_with_max(rows, rows.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR))
+
+
+def quantize_rows_int8_with_max(rows: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token INT8 codes of float32 ``rows [M, K]`` against given row magnitudes ``amax [M, 1]`` (positive):
+    ``scale = amax / 127``, ``q = clamp(round_half_even(rows * (127 / amax)), -127, 127)`` -- the quantizer's
+    operations, with the row maximum supplied instead of measured (values above it clamp to ±127)."""
     # Tensor-by-tensor divisions: torch computes ``number / tensor`` as ``reciprocal(tensor) * number`` and, on
     # CUDA, ``tensor / number`` as ``tensor * (1 / number)`` -- two roundings each, unlike the kernel's one.
     limit = torch.full_like(amax, INT8_MAX)
@@ -109,4 +115,4 @@ def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["INT8_AMAX_FLOOR", "INT8_MAX", "dequantize_rows_int8", "quantize_rows_int8", "quantize_rows_int8_grouped",
-           "smoothed_rows"]
+           "quantize_rows_int8_with_max", "smoothed_rows"]
