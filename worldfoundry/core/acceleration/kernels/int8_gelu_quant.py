@@ -172,7 +172,9 @@ def reference_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str,
     return q, scale, t
 
 
-def _check_given_max(row_max: torch.Tensor, inv_smooth: torch.Tensor | None, m: int) -> None:
+def _check_given_max(row_max: torch.Tensor | None, inv_smooth: torch.Tensor | None, m: int) -> None:
+    if row_max is None:
+        return
     if inv_smooth is not None:
         raise QuantizationInputError("gelu_quantize_rows_int8_lowrank: row_max needs an unsmoothed down projection "
                                      "(a smoothed row's maximum is not GELU of the up projection's maximum); "
@@ -184,10 +186,27 @@ def _check_given_max(row_max: torch.Tensor, inv_smooth: torch.Tensor | None, m: 
                                      f"{tuple(getattr(row_max, 'shape', ()))}")
 
 
+def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.Tensor, outs: tuple,
+                      act: tuple, interp: bool, launch: dict) -> None:
+    """The single pass with given row maxima (launch values ``None``: this kernel's defaults)."""
+    (q, scale, t), (activation, c0, c1) = outs, act
+    m, k = h.shape
+    bm = launch["block_m"] or (16 if interp else GIVEN_MAX_BLOCK_M)
+    portable, software = launch["portable_math"], launch["software_rounding"]
+    _gelu_int8_given_max_kernel[(triton.cdiv(m, bm),)](
+        h, row_max, lora_down, q, scale, t, m, k, h.stride(0), c0, c1, GELU_NEGATIVE_BOUND, RANK=lora_down.shape[0],
+        BLOCK_M=bm, BLOCK_K=launch["block_k"] or (64 if interp else GIVEN_MAX_BLOCK_K), WIDEN=h.device.type != "cuda",
+        ACTIVATION=activation, PORTABLE_MATH=interp if portable is None else portable,
+        SOFTWARE_ROUNDING=interp if software is None else software,
+        num_warps=launch["num_warps"] or (4 if interp else GIVEN_MAX_WARPS),
+        enable_fp_fusion=False,  # g * rcp must round before the rounding addition (no FMA)
+    )
+
+
 def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, inv_smooth: torch.Tensor | None,
                                            lora_down: torch.Tensor, *, row_max: torch.Tensor | None = None,
-                                           block_m: int | None = None,
-                                           block_k: int | None = None, num_warps: int | None = None,
+                                           block_m: int | None = None, block_k: int | None = None,
+                                           num_warps: int | None = None,
                                            portable_math: bool | None = None, software_rounding: bool | None = None
                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GELU + smoothing + per-token INT8 codes and ``t = bf16(GELU(h)) @ D.T`` of ``h`` in one kernel.
@@ -226,20 +245,12 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     q = torch.empty((m, k), dtype=torch.int8, device=h.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=h.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=h.device)
-    if row_max is not None:
-        _check_given_max(row_max, inv_smooth, m)
-    if m == 0:
-        return q, scale, t
-    if row_max is not None:
-        bm = block_m or (16 if interp else GIVEN_MAX_BLOCK_M)
-        _gelu_int8_given_max_kernel[(triton.cdiv(m, bm),)](
-            h, row_max, lora_down, q, scale, t, m, k, h.stride(0), c0, c1, GELU_NEGATIVE_BOUND, RANK=rank,
-            BLOCK_M=bm, BLOCK_K=block_k or (64 if interp else GIVEN_MAX_BLOCK_K), WIDEN=h.device.type != "cuda",
-            ACTIVATION=activation, PORTABLE_MATH=interp if portable_math is None else portable_math,
-            SOFTWARE_ROUNDING=interp if software_rounding is None else software_rounding,
-            num_warps=num_warps or (4 if interp else GIVEN_MAX_WARPS),
-            enable_fp_fusion=False,  # g * rcp must round before the rounding addition (no FMA)
-        )
+    _check_given_max(row_max, inv_smooth, m)
+    if row_max is not None and m:
+        _launch_given_max(h, row_max, lora_down, (q, scale, t), (activation, c0, c1), interp,
+                          dict(block_m=block_m, block_k=block_k, num_warps=num_warps, portable_math=portable_math,
+                               software_rounding=software_rounding))
+    if row_max is not None or m == 0:
         return q, scale, t
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
     _gelu_int8_lowrank_kernel[(triton.cdiv(m, bm),)](

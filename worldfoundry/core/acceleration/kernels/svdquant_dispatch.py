@@ -213,18 +213,25 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if choice.backend == "w4a8":
-        if fused_lowrank is None:
-            limit = FUSED_QUANT_LOWRANK_MIN_K
-            fused_lowrank = limit is not None and weight.in_features > limit
-        if fused_lowrank and weight.lora_down is not None:
-            q, scale, t = triton_quantize_rows_int8_lowrank(x2d, weight.inv_smooth, weight.lora_down)
-        else:
-            t = lowrank_down(x2d, weight)
-            q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
-        out, choice = w4a8_gemm_from_codes(q, scale, weight, t, bias, x.dtype, choice, row_max=row_max)
+        out, choice = _w4a8(x2d, weight, bias, fused_lowrank, x.dtype, choice, row_max)
     else:
         out = triton_w4a16_gemm(x2d, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.out_features), choice
+
+
+def _w4a8(x2d: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, fused_lowrank: bool | None,
+          out_dtype: torch.dtype, choice: BackendChoice,
+          row_max: torch.Tensor | None) -> tuple[torch.Tensor, BackendChoice]:
+    """Per-token INT8 codes and the low-rank down projection of ``x2d``, then the W4A8 GEMM."""
+    if fused_lowrank is None:
+        limit = FUSED_QUANT_LOWRANK_MIN_K
+        fused_lowrank = limit is not None and weight.in_features > limit
+    if fused_lowrank and weight.lora_down is not None:
+        q, scale, t = triton_quantize_rows_int8_lowrank(x2d, weight.inv_smooth, weight.lora_down)
+    else:
+        t = lowrank_down(x2d, weight)
+        q, scale = triton_quantize_rows_int8(x2d, weight.inv_smooth)
+    return w4a8_gemm_from_codes(q, scale, weight, t, bias, out_dtype, choice, row_max=row_max)
 
 
 def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, group: int,
