@@ -57,9 +57,11 @@ DEFAULT_WARPS: Final = 4
 #: ``|GELU(x)|`` for ``x < 0`` is at most 0.17004 (tanh form; 0.16997 exact), 0.1699 in bfloat16, and at most
 #: 0.1709 with the kernel's approximation (within ``2**-8`` relative): a bfloat16 number above all of them.
 GELU_NEGATIVE_BOUND: Final = 0.171875
-#: Launch shape of the single pass with given row maxima (rows, chunk width, warps).
+#: Launch shape of the single pass with given row maxima (rows, chunk width, warps): the fastest at K 8,960 in the
+#: H200 grid of ``benchmarks/kernels/int8_lowrank_check.py --kernels gelu_single_pass`` (0.511 ms; 0.135 ms at
+#: K 1,536; every shape of that grid bitwise and equal across repeats).
 GIVEN_MAX_BLOCK_M: Final = 64
-GIVEN_MAX_BLOCK_K: Final = 256
+GIVEN_MAX_BLOCK_K: Final = 128
 GIVEN_MAX_WARPS: Final = 8
 
 if TRITON_AVAILABLE:
@@ -122,11 +124,12 @@ if TRITON_AVAILABLE:
     def _gelu_int8_given_max_kernel(h_ptr, rm_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_hm, c0, c1, neg_bound,
                                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                     WIDEN: tl.constexpr, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
-                                    SOFTWARE_ROUNDING: tl.constexpr):
+                                    SOFTWARE_ROUNDING: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        row_base = rows.to(tl.int64) * stride_hm
+        # loads read the last row again past M (no predicated loads); stores are masked by row
+        row_base = tl.minimum(rows, M - 1).to(tl.int64) * stride_hm
         out_base = rows.to(tl.int64) * K
         r = tl.arange(0, RANK)
         top = tl.load(rm_ptr + rows, mask=rmask, other=0.0)
@@ -134,9 +137,17 @@ if TRITON_AVAILABLE:
         rcp = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), amax)
         t = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            g, xs, m, cols = _gelu_chunk(h_ptr, rm_ptr, row_base, rmask, k0, K, c0, c1, BLOCK_K, False,
-                                         ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
-            d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None], mask=(cols < K)[:, None], other=0.0)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:  # every chunk full: unmasked loads
+                h = tl.load(h_ptr + row_base[:, None] + cols[None, :]).to(tl.float32)
+                d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None])
+                m = rmask[:, None]
+            else:
+                m = rmask[:, None] & (cols < K)[None, :]
+                h = tl.load(h_ptr + row_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None], mask=(cols < K)[:, None],
+                            other=0.0)
+            g = _gelu_to_bfloat16(h, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
             if WIDEN:  # the interpreter multiplies bfloat16 wrongly: widen (exact; g is on the bfloat16 grid)
                 t = tl.dot(g, d.to(tl.float32), t)
             else:
@@ -193,9 +204,10 @@ def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.T
     m, k = h.shape
     bm = launch["block_m"] or (16 if interp else GIVEN_MAX_BLOCK_M)
     portable, software = launch["portable_math"], launch["software_rounding"]
+    bk = launch["block_k"] or (64 if interp else GIVEN_MAX_BLOCK_K)
     _gelu_int8_given_max_kernel[(triton.cdiv(m, bm),)](
         h, row_max, lora_down, q, scale, t, m, k, h.stride(0), c0, c1, GELU_NEGATIVE_BOUND, RANK=lora_down.shape[0],
-        BLOCK_M=bm, BLOCK_K=launch["block_k"] or (64 if interp else GIVEN_MAX_BLOCK_K), WIDEN=h.device.type != "cuda",
+        BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, WIDEN=h.device.type != "cuda",
         ACTIVATION=activation, PORTABLE_MATH=interp if portable is None else portable,
         SOFTWARE_ROUNDING=interp if software is None else software,
         num_warps=launch["num_warps"] or (4 if interp else GIVEN_MAX_WARPS),

@@ -194,8 +194,12 @@ if GLUON_AVAILABLE:
         """``row_max[t] = max(row_max[t], max_w bf16(out[w, t]), 0)`` for the tile's tokens (int32 bits of
         non-negative floats: an order-independent atomic maximum)."""
         BLOCK_T: gl.constexpr = out.type.shape[1]
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        # one token per thread before the atomics: in the accumulator's slice every value sits in many threads
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         tmax = gl.maximum(gl.max(out.to(gl.bfloat16).to(gl.float32), axis=0), 0.0)
-        offs = off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out.type.layout))
+        tmax = gl.convert_layout(tmax, flat)
+        offs = off_t + gl.arange(0, BLOCK_T, layout=flat)
         gl.atomic_max(rm_ptr + offs, tmax.to(gl.int32, bitcast=True), mask=offs < M, sem="relaxed")
 
     @gluon.jit
