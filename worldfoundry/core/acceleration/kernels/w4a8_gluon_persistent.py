@@ -33,6 +33,7 @@ from typing import Any, Final
 import torch
 
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import (
+    HOPPER_SMEM_BYTES,
     INT8_INSTR_N,
     MAX_BOX,
     check_gluon_operands,
@@ -172,10 +173,22 @@ def check_persistent_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQ
     return dims
 
 
-def check_row_max(row_max: torch.Tensor | None, m: int, device: torch.device) -> None:
-    """A row-maximum output is float32 ``[M]``, contiguous, on the GEMM's device; else a typed error."""
+def row_max_smem_bytes(tile: PersistentTile) -> int:
+    """Shared memory the row-maximum epilogue adds: the cross-warp reduction's scratch, one float per token and warp
+    (the H200 reported exactly this, 8,196 bytes more, for ``block_t`` 256 and 8 warps)."""
+    return tile.block_t * tile.warps * 4
+
+
+def check_row_max(row_max: torch.Tensor | None, m: int, device: torch.device,
+                  tile: PersistentTile | None = None) -> None:
+    """A row-maximum output is float32 ``[M]``, contiguous, on the GEMM's device, and its scratch fits the tile's
+    shared memory; else a typed error."""
     if row_max is None:
         return
+    if tile is not None and tile.smem_bytes() + row_max_smem_bytes(tile) > HOPPER_SMEM_BYTES:
+        raise QuantizationInputError(f"gluon_w4a8_persistent_gemm: row_max needs {row_max_smem_bytes(tile)} more "
+                                     f"bytes of shared memory than tile {tile} leaves (limit {HOPPER_SMEM_BYTES}); "
+                                     "use fewer stages")
     if not isinstance(row_max, torch.Tensor) or row_max.dtype != torch.float32 or tuple(row_max.shape) != (m,) \
             or not row_max.is_contiguous() or row_max.device != device:
         raise QuantizationInputError(f"w4a8 GEMM: row_max must be a contiguous float32 [{m}] tensor on {device} "
@@ -206,7 +219,7 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
     """
     tile = tile or DEFAULT_PERSISTENT_TILE
     dims = check_persistent_operands(q, scale, weight, t, bias, tile)
-    check_row_max(row_max, dims[0], q.device)
+    check_row_max(row_max, dims[0], q.device, tile)
     require_hopper(q.device)
     out = torch.empty((dims[0], dims[1]), dtype=torch.bfloat16, device=q.device)
     if dims[0]:
@@ -216,4 +229,4 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
 
 
 __all__ = ["DEFAULT_PERSISTENT_TILE", "MAX_ACC_REGISTERS", "PersistentTile", "TileShape", "check_persistent_operands",
-           "check_row_max", "gluon_w4a8_persistent_gemm"]
+           "check_row_max", "gluon_w4a8_persistent_gemm", "row_max_smem_bytes"]
