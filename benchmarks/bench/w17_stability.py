@@ -38,7 +38,8 @@ def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | N
         results = run_bench(BenchConfig(
             model=args.model, candidates=str(CANDIDATES), out=str(out / name), device="cuda", dtype="bf16",
             random_weights=True, rounds=3, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-            target_halfwidth=0.02, peers=peers, progress=False, host_hold_s=args.host_hold))
+            target_halfwidth=0.02, peers=peers, progress=False, host_hold_s=args.host_hold,
+            width_pool_s=args.width_pool))
     except Exception:  # one failed run must not hide the other
         print(f"run {name} FAILED:\n{traceback.format_exc()}")
         return None
@@ -82,6 +83,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
     p.add_argument("--time-budget", type=float, default=12.0)
+    p.add_argument("--width-pool", type=float, default=40.0,
+                        help="seconds the run may add to decided candidates still wider than 2%% (default 40)")
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--host-hold", type=float, default=None,
                    help="seconds each run may hold timed generations for a fast host phase (default: the bench's)")

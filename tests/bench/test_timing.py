@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     LoopTimer,
     TimingPolicy,
+    WidthPool,
     bound_violation,
     ci_halfwidth,
     model_calls,
@@ -68,6 +70,33 @@ def test_a_decided_candidate_is_not_extended() -> None:
     policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median")
     out = run_rounds(lambda r: clearly_faster[r], policy, clock=_fake_clock(1.0))
     assert out["extended"] == 0 and out["stopped"] == "budget"
+
+
+def test_a_decided_but_wide_candidate_draws_on_the_runs_width_pool() -> None:
+    """Past its budget a decided candidate whose CI is wider than the target gets rounds while the run's pool has
+    seconds left; their time is charged to the pool, and extend_factor x the budget still caps it."""
+    wide = [(1.0, 0.5), (1.0, 0.45)] * 20  # clearly faster (decided), CI about 5 % wide
+    pool = WidthPool(0.5)
+    policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median",
+                          width_pool=pool)
+    out = run_rounds(lambda r: wide[r], policy, clock=_fake_clock(1.0))
+    assert out["widened"] == out["extended"] > 0 and out["stopped"] == "budget"
+    assert pool.spent >= 0.5 and pool.left == 0.0
+    plain = run_rounds(lambda r: wide[r], replace(policy, width_pool=None), clock=_fake_clock(1.0))
+    assert plain["widened"] == 0 and out["rounds"] > plain["rounds"]
+    # an empty pool extends nothing; a large one stops at extend_factor x the budget
+    assert run_rounds(lambda r: wide[r], policy, clock=_fake_clock(1.0))["widened"] == 0
+    big = run_rounds(lambda r: wide[r], replace(policy, width_pool=WidthPool(1e9)), clock=_fake_clock(1.0))
+    assert big["rounds"] < 30 and big["widened"] > out["widened"]
+
+
+def test_a_narrow_candidate_leaves_the_pool_alone() -> None:
+    pool = WidthPool(10.0)
+    out = run_rounds(lambda r: (2.0, 1.0), TimingPolicy(min_rounds=3, max_rounds=10, width_pool=pool),
+                     clock=_fake_clock(1.0))
+    assert out["stopped"] == "target" and out["widened"] == 0 and pool.spent == 0.0
+    with pytest.raises(ValueError, match="width pool"):
+        WidthPool(-1.0)
 
 
 @pytest.mark.parametrize(("ci", "threshold", "expected"), [

@@ -37,6 +37,7 @@ from worldfoundry.bench.timing import (
     Arm,
     Timed,
     TimingPolicy,
+    WidthPool,
     bound_violation,
     model_calls,
     noisy_host,
@@ -86,6 +87,9 @@ class BenchConfig:
     target_halfwidth: float = 0.02
     max_rounds: int | None = None
     time_budget_s: float = 60.0
+    #: seconds the whole run may add, past their budgets, to candidates whose verdict is decided but whose CI is
+    #: still wider than ``target_halfwidth`` (:class:`~worldfoundry.bench.timing.WidthPool`; 0: none)
+    width_pool_s: float = 0.0
     #: seconds a run may spend holding timed generations for a fast host phase (:mod:`~worldfoundry.bench.host_gate`);
     #: ``None``: 60 on a GPU (host phases move a host-bound loop by up to 1.8x), 0 on the CPU (the whole
     #: generation is host time there, and the default run should stay near a minute)
@@ -255,7 +259,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
     tpolicy = _timing_policy(config, rounds, len(seeds))
-    results["timing_policy"] = {**asdict(tpolicy), "gc": "frozen after loading; paused inside timed requests"}
+    results["timing_policy"] = {**asdict(replace(tpolicy, width_pool=None)),
+                                "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
         control = _control_pairs(runner, dense, seeds, tpolicy)
         results["dense"]["control"] = control
@@ -276,7 +281,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
         from worldfoundry.bench.peers import run_peers
 
         # reference rows get no verdict, so no extension of undecided rounds either
-        results["peers"] = run_peers(config.peers, runner, dense, seeds, replace(tpolicy, threshold=None))
+        results["peers"] = run_peers(config.peers, runner, dense, seeds,
+                                     replace(tpolicy, threshold=None, width_pool=None))
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
@@ -285,6 +291,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["host_gate"] = gate.to_json() if gate is not None else None
     if tpolicy.dense_reference is not None:
         results["dense"]["floor_reference_s"] = tpolicy.dense_reference.to_json()
+    if tpolicy.width_pool is not None:
+        results["timing_policy"]["width_pool"] = tpolicy.width_pool.to_json()
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
@@ -327,8 +335,8 @@ def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> Timing
     least = max(3, rounds, max(2 * n_seeds, FLOOR_MIN_ROUNDS) if config.estimator == "step_floor" else 0)
     return TimingPolicy(min_rounds=least, max_rounds=max(least, config.max_rounds or 4 * rounds),
                         target_halfwidth=config.target_halfwidth, budget_s=config.time_budget_s,
-                        estimator=config.estimator,
-                        max_noise_floor=config.max_noise_floor)
+                        estimator=config.estimator, max_noise_floor=config.max_noise_floor,
+                        width_pool=WidthPool(config.width_pool_s) if config.width_pool_s > 0 else None)
 
 
 def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
@@ -356,7 +364,7 @@ def control_policy(policy: TimingPolicy) -> TimingPolicy:
     above 1."""
     rounds = max(policy.min_rounds, CONTROL_MIN_ROUNDS)
     return replace(policy, min_rounds=rounds, max_rounds=max(2 * policy.max_rounds, rounds),
-                   budget_s=2 * policy.budget_s, target_halfwidth=policy.target_halfwidth / 2)
+                   budget_s=2 * policy.budget_s, target_halfwidth=policy.target_halfwidth / 2, width_pool=None)
 
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,

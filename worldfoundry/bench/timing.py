@@ -65,6 +65,26 @@ DEFAULT_EXTEND_FACTOR = 2.0
 DEFAULT_HOST_TOLERANCE = 0.15
 
 
+class WidthPool:
+    """Seconds of extra timing a run may spend on candidates whose verdict is decided but whose CI is still wider
+    than the target when their budget ends (shared by every candidate of the run; first come, first served, each
+    candidate still stopping at ``extend_factor`` times its budget). ``spent`` accumulates what was used."""
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"width pool: seconds must be >= 0, got {seconds}")
+        self.seconds = float(seconds)
+        self.spent = 0.0
+
+    @property
+    def left(self) -> float:
+        """Seconds not yet spent."""
+        return max(0.0, self.seconds - self.spent)
+
+    def to_json(self) -> dict[str, float]:
+        return {"seconds": self.seconds, "spent": round(self.spent, 3)}
+
+
 @dataclass(frozen=True)
 class TimingPolicy:
     """How long to time and when to trust the result.
@@ -85,6 +105,9 @@ class TimingPolicy:
             pairs complete.
         host_tolerance: relative difference of the arms' median host probes (:mod:`~worldfoundry.bench.host_speed`)
             above which a candidate's rounds are extended like an undecided one's.
+        width_pool: the run's :class:`WidthPool` (``None``: a decided candidate stops at its budget however wide
+            its CI): a decided candidate wider than ``target_halfwidth`` when its budget ends gets more rounds while
+            the pool has seconds left (the rounds' time is charged to it).
     """
 
     min_rounds: int = 3
@@ -98,6 +121,7 @@ class TimingPolicy:
     extend_factor: float = DEFAULT_EXTEND_FACTOR
     dense_reference: DenseFloorReference | None = field(default=None, compare=False, repr=False)
     host_tolerance: float = DEFAULT_HOST_TOLERANCE
+    width_pool: WidthPool | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -186,7 +210,8 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     start = clock()
     stopped = "max_rounds"
     summary: dict[str, Any] = {}
-    extended = 0
+    extended = widened = 0
+    charged_from: float | None = None  # a width-pool round runs since then
 
     for r in range(policy.max_rounds):
         d, c = pair(r)
@@ -194,28 +219,42 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         cand.append(_sample(c))
         if on_round is not None:
             on_round()
+        if charged_from is not None:
+            policy.width_pool.spent += clock() - charged_from
+            charged_from = None
         if len(dense) < policy.min_rounds:
             continue
         summary = _summarize(dense, cand, policy)
         narrow = ci_halfwidth(summary) <= policy.target_halfwidth
         elapsed = clock() - start
         if narrow or elapsed >= policy.budget_s:
-            excess = dense_excess(summary, policy.dense_reference)
-            slow = excess is not None and excess > policy.target_halfwidth
-            split = summary["host_split"]
-            slow = slow or (split is not None and abs(split) > policy.host_tolerance)
-            more = slow or (not narrow and undecided(summary, policy.threshold))
-            if not (more and elapsed < policy.extend_factor * policy.budget_s):
+            within = elapsed < policy.extend_factor * policy.budget_s
+            more = _needs_more(summary, policy, narrow)
+            wide = not narrow and within and policy.width_pool is not None and policy.width_pool.left > 0
+            if not ((more and within) or wide):
                 stopped = "target" if narrow else "budget"
                 break
             extended += 1
+            if not (more and within):
+                widened += 1
+                charged_from = clock()
     if not summary:
         summary = _summarize(dense, cand, policy)
     excess = dense_excess(summary, policy.dense_reference)
     reference_fallback(summary, policy, excess)
     summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
-                   target_halfwidth=policy.target_halfwidth, dense_excess=excess)
+                   widened=widened, target_halfwidth=policy.target_halfwidth, dense_excess=excess)
     return summary
+
+
+def _needs_more(summary: dict[str, Any], policy: TimingPolicy, narrow: bool) -> bool:
+    """Rounds past the budget for the verdict's sake: a dense arm in a slow phase, arms on hosts of different speed,
+    or a CI that straddles the threshold."""
+    excess = dense_excess(summary, policy.dense_reference)
+    slow = excess is not None and excess > policy.target_halfwidth
+    split = summary["host_split"]
+    slow = slow or (split is not None and abs(split) > policy.host_tolerance)
+    return slow or (not narrow and undecided(summary, policy.threshold))
 
 
 def _summarize(dense: list[Timed], cand: list[Timed], policy: TimingPolicy) -> dict[str, Any]:

@@ -53,6 +53,9 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rounds", type=int, default=None, help="never more paired rounds than this (default 4x)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="seconds of timing per candidate after which no rounds are added (default 60)")
+    p.add_argument("--width-pool", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds the run may add, past their time budgets, to candidates whose verdict is decided "
+                        "but whose CI is wider than --target-halfwidth (default 0: none)")
     p.add_argument("--host-hold", type=float, default=None, metavar="SECONDS",
                    help="seconds a run may wait, in total, before timed generations for the host to leave a slow "
                         "phase (default 60 on a GPU, 0 = off on the CPU)")
@@ -82,6 +85,12 @@ def peer_names(values: list[str] | None) -> list[str] | None:
     if unknown:
         raise CommandLineError("--peers", f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_PEERS)}")
     return names or ["all"]
+
+
+def _width_pool(seconds: float) -> float:
+    if not seconds >= 0:
+        raise CommandLineError("--width-pool", f"must be >= 0 seconds, got {seconds}")
+    return seconds
 
 
 def add_parser(subparsers: Any) -> None:
@@ -132,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
         max_noise_floor=args.max_noise_floor, estimator=args.estimator, min_gain=args.min_gain,
-        peers=args.peers, host_hold_s=args.host_hold,
+        peers=args.peers, host_hold_s=args.host_hold, width_pool_s=_width_pool(args.width_pool),
     )
     try:
         results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))
