@@ -289,13 +289,18 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["gpu_sharing"] = monitor.to_json()
     results["host_speed"] = host_speed_summary(run_probes(results))
     results["host_gate"] = gate.to_json() if gate is not None else None
+    _record_policy_state(results, tpolicy)
+    if not results["dense"]["stable_after_candidates"]:
+        logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
+    return results
+
+
+def _record_policy_state(results: dict[str, Any], tpolicy: TimingPolicy) -> None:
+    """What the run's shared timing state ended as: the dense floor reference and the width pool's use."""
     if tpolicy.dense_reference is not None:
         results["dense"]["floor_reference_s"] = tpolicy.dense_reference.to_json()
     if tpolicy.width_pool is not None:
         results["timing_policy"]["width_pool"] = tpolicy.width_pool.to_json()
-    if not results["dense"]["stable_after_candidates"]:
-        logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
-    return results
 
 
 #: The default ``host_hold_s`` on a GPU.
