@@ -74,7 +74,7 @@ def test_a_decided_candidate_is_not_extended() -> None:
 
 def test_a_decided_but_wide_candidate_draws_on_the_runs_width_pool() -> None:
     """Past its budget a decided candidate whose CI is wider than the target gets rounds while the run's pool has
-    seconds left; their time is charged to the pool, and extend_factor x the budget still caps it."""
+    seconds left; their time is charged to the pool, and only the pool and max_rounds bound them."""
     wide = [(1.0, 0.5), (1.0, 0.45)] * 20  # clearly faster (decided), CI about 5 % wide
     pool = WidthPool(0.5)
     policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median",
@@ -84,10 +84,10 @@ def test_a_decided_but_wide_candidate_draws_on_the_runs_width_pool() -> None:
     assert pool.spent >= 0.5 and pool.left == 0.0
     plain = run_rounds(lambda r: wide[r], replace(policy, width_pool=None), clock=_fake_clock(1.0))
     assert plain["widened"] == 0 and out["rounds"] > plain["rounds"]
-    # an empty pool extends nothing; a large one stops at extend_factor x the budget
+    # an empty pool extends nothing; a large one runs to max_rounds (past extend_factor x the budget)
     assert run_rounds(lambda r: wide[r], policy, clock=_fake_clock(1.0))["widened"] == 0
     big = run_rounds(lambda r: wide[r], replace(policy, width_pool=WidthPool(1e9)), clock=_fake_clock(1.0))
-    assert big["rounds"] < 30 and big["widened"] > out["widened"]
+    assert big["rounds"] == 30 and big["stopped"] == "max_rounds" and big["widened"] > out["widened"]
 
 
 def test_a_narrow_candidate_leaves_the_pool_alone() -> None:

@@ -67,8 +67,9 @@ DEFAULT_HOST_TOLERANCE = 0.15
 
 class WidthPool:
     """Seconds of extra timing a run may spend on candidates whose verdict is decided but whose CI is still wider
-    than the target when their budget ends (shared by every candidate of the run; first come, first served, each
-    candidate still stopping at ``extend_factor`` times its budget). ``spent`` accumulates what was used."""
+    than the target when their budget ends (shared by every candidate of the run, first come, first served; only
+    the pool and ``max_rounds`` bound these rounds, not ``extend_factor``: at W17 on an H200 a paired round with
+    its switches takes 3-5 s, so twice a 6 s budget left room for one). ``spent`` accumulates what was used."""
 
     def __init__(self, seconds: float) -> None:
         if not seconds >= 0:
@@ -107,7 +108,7 @@ class TimingPolicy:
             above which a candidate's rounds are extended like an undecided one's.
         width_pool: the run's :class:`WidthPool` (``None``: a decided candidate stops at its budget however wide
             its CI): a decided candidate wider than ``target_halfwidth`` when its budget ends gets more rounds while
-            the pool has seconds left (the rounds' time is charged to it).
+            the pool has seconds left (the rounds' time is charged to it), up to ``max_rounds``.
     """
 
     min_rounds: int = 3
@@ -230,7 +231,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         if narrow or elapsed >= policy.budget_s:
             within = elapsed < policy.extend_factor * policy.budget_s
             more = _needs_more(summary, policy, narrow)
-            wide = not narrow and within and policy.width_pool is not None and policy.width_pool.left > 0
+            wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
             if not ((more and within) or wide):
                 stopped = "target" if narrow else "budget"
                 break
