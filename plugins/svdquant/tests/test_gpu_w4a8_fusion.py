@@ -40,10 +40,8 @@ def test_producer_codes_bitwise_given_its_gelu(m, k, approximate):
     assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()
 
 
-def test_fused_ffn_on_cuda(kit, tmp_path):
-    model = kit.build_wan(dtype=torch.bfloat16).cuda()
-    artifact = kit.calibrate(model, tmp_path / "bf16.json")
-    before = kit.fingerprint(model)
+def _unfused_and_fused(kit, model, artifact):
+    """Outputs and receipt records of the model with ``fuse_gelu`` off and on (each session uninstalled)."""
     outs, records = {}, {}
     for fuse in (False, True):
         reg = AccelerationRegistry(discover=False)
@@ -55,6 +53,14 @@ def test_fused_ffn_on_cuda(kit, tmp_path):
             outs[fuse] = kit.run_wan(model, torch.bfloat16).float()
         records[fuse] = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
         session.uninstall()
+    return outs, records
+
+
+def test_fused_ffn_on_cuda(kit, tmp_path):
+    model = kit.build_wan(dtype=torch.bfloat16).cuda()
+    artifact = kit.calibrate(model, tmp_path / "bf16.json")
+    before = kit.fingerprint(model)
+    outs, records = _unfused_and_fused(kit, model, artifact)
     assert records[True]["modules"]["blocks.0.ffn"] == {FUSED_KIND_W4A8: 1}
     assert records[True]["modules"]["blocks.0.ffn.net.2"] == {"w4a8": 1}
     assert "blocks.0.ffn" not in records[False]["modules"]
@@ -91,17 +97,7 @@ def test_fused_ffn_single_pass_on_cuda(kit, tmp_path):
     model = kit.build_wan(dtype=torch.bfloat16).cuda()
     artifact = kit.calibrate(model, tmp_path / "bf16u.json", unsmoothed=("blocks.*.ffn.2",))
     before = kit.fingerprint(model)
-    outs, records = {}, {}
-    for fuse in (False, True):
-        reg = AccelerationRegistry(discover=False)
-        reg.register("svdquant", prepare)
-        session = install_diffusion_accelerations(
-            model, {"svdquant": {"artifact": str(artifact), "backend": "w4a8", "fuse_gelu": fuse}},
-            RuntimePolicy(device="cuda"), registry=reg)
-        with request_scope(RequestContext("r1", branch="cond", step_index=0)):
-            outs[fuse] = kit.run_wan(model, torch.bfloat16).float()
-        records[fuse] = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
-        session.uninstall()
+    outs, records = _unfused_and_fused(kit, model, artifact)
     assert records[True]["modules"]["blocks.0.ffn"] == {FUSED_KIND_W4A8: 1, SINGLE_PASS_KIND: 1}
     assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 0.01
     kit.assert_same(before, kit.fingerprint(model))

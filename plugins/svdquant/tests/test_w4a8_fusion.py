@@ -37,14 +37,20 @@ def bf16_wan(kit):
     return kit.build_wan(dtype=torch.bfloat16)
 
 
+def _per_linear_then_fused(kit, model, artifact):
+    """The per-Linear output, then the fused one with its receipt record; the fused session still installed."""
+    session = _install(model, artifact, fuse_gelu=False)
+    per_linear, _ = _run(kit, model, session, "r0", torch.bfloat16)
+    session.uninstall()
+    session = _install(model, artifact)
+    fused, record = _run(kit, model, session, "r1", torch.bfloat16)
+    return per_linear, fused, record, session
+
+
 def test_fused_ffn_runs_one_producer_and_restores_exactly(kit, bf16_wan, tmp_path):
     artifact = kit.calibrate(bf16_wan, tmp_path / "bf16.json")
     before = kit.fingerprint(bf16_wan)
-    session = _install(bf16_wan, artifact, fuse_gelu=False)
-    per_linear, _ = _run(kit, bf16_wan, session, "r0", torch.bfloat16)
-    session.uninstall()
-    session = _install(bf16_wan, artifact)
-    fused, record = _run(kit, bf16_wan, session, "r1", torch.bfloat16)
+    per_linear, fused, record, session = _per_linear_then_fused(kit, bf16_wan, artifact)
     for ffn in FFNS:
         assert record["modules"][ffn] == {FUSED_KIND_W4A8: 1}
         assert record["modules"][f"{ffn}.net.0.proj"] == {"w4a8": 1}
@@ -61,11 +67,7 @@ def test_an_unsmoothed_down_projection_reads_the_up_output_once(kit, bf16_wan, t
     once; the receipt says so, and the output stays as close to the per-Linear path as the two-pass producer."""
     artifact = kit.calibrate(bf16_wan, tmp_path / "bf16u.json", unsmoothed=("blocks.*.ffn.2",))
     before = kit.fingerprint(bf16_wan)
-    session = _install(bf16_wan, artifact, fuse_gelu=False)
-    per_linear, _ = _run(kit, bf16_wan, session, "r0", torch.bfloat16)
-    session.uninstall()
-    session = _install(bf16_wan, artifact)
-    fused, record = _run(kit, bf16_wan, session, "r1", torch.bfloat16)
+    per_linear, fused, record, session = _per_linear_then_fused(kit, bf16_wan, artifact)
     for ffn in FFNS:
         assert record["modules"][ffn] == {FUSED_KIND_W4A8: 1, SINGLE_PASS_KIND: 1}
         assert record["modules"][f"{ffn}.net.2"] == {"w4a8": 1}
