@@ -173,10 +173,16 @@ def check_persistent_operands(q: torch.Tensor, scale: torch.Tensor, weight: SVDQ
     return dims
 
 
+#: Slack on the shared-memory estimate of a tile with the row-maximum epilogue: triton 3.6 allocated 1,028 bytes
+#: more than :meth:`PersistentTile.smem_bytes` for the default tile (alignment), and the H200 refused the 4-stage
+#: 128 x 256 x 128 tile at 4 bytes over the estimate below.
+ROW_MAX_SMEM_SLACK: Final = 2048
+
+
 def row_max_smem_bytes(tile: PersistentTile) -> int:
-    """Shared memory the row-maximum epilogue adds: the cross-warp reduction's scratch, one float per token and warp
-    (the H200 reported exactly this, 8,196 bytes more, for ``block_t`` 256 and 8 warps)."""
-    return tile.block_t * tile.warps * 4
+    """Shared memory the row-maximum epilogue adds, with :data:`ROW_MAX_SMEM_SLACK`: the cross-warp reduction's
+    scratch, one float per token and warp."""
+    return tile.block_t * tile.warps * 4 + ROW_MAX_SMEM_SLACK
 
 
 def check_row_max(row_max: torch.Tensor | None, m: int, device: torch.device,
