@@ -64,6 +64,20 @@ def test_int8_activation_kernel_is_bitwise_the_reference(shape, smooth):
     assert int(q.abs().max()) == 127
 
 
+def test_int8_codes_round_ties_to_even_and_clamp_like_the_reference():
+    """Rows whose maximum is 127 (so ``127 / max`` is exactly 1): ties round to even, both signs, at every
+    magnitude up to the clamp; the kernel's codes (the float's low mantissa byte after adding 1.5 * 2**23) equal
+    the reference's."""
+    halves = torch.arange(-127.0, 127.5, 0.5)
+    x = torch.stack([torch.cat([halves, torch.tensor([127.0])]), torch.cat([-halves, torch.tensor([-127.0])])])
+    q, s = triton_quantize_rows_int8(x, None)
+    q_ref, s_ref = quantize_rows_int8(x, None)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    at = {float(v): int(c) for v, c in zip(halves, q[0, :-1])}
+    assert [at[v] for v in (0.5, 1.5, 2.5, -0.5, -1.5, -125.5, 126.5)] == [0, 2, 2, 0, -2, -126, 126]
+    assert int(q.abs().max()) == 127
+
+
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("rank,bias,group,m", [(0, False, 64, 32), (8, True, 64, 40), (32, True, 128, 17)])
 def test_w4a8_gemm_matches_the_reference(swap, rank, bias, group, m):

@@ -140,6 +140,7 @@ def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m):
     ptx = kernel.asm["ptx"]
     assert "fma.rn.f32" not in ptx  # x * rcp rounds before the rounding addition
     assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)  # the low-rank dot on tensor cores
+    assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)  # codes from the float's bits, no conversion
 
 
 def _compile_persistent_w4a8(row_max: bool):

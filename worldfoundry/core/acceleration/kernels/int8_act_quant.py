@@ -66,11 +66,14 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _store_codes(q_ptr, out_base, x, rcp, mask, cols):
-        """``clamp(round_half_even(x * rcp), -127, 127)`` as int8 (the product rounds first: no FMA)."""
-        y = x * rcp[:, None]
-        y = (y + 12582912.0) - 12582912.0
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-        tl.store(q_ptr + out_base[:, None] + cols[None, :], y.to(tl.int8), mask=mask)
+        """``clamp(round_half_even(x * rcp), -127, 127)`` as int8 (the product rounds first: no FMA).
+
+        Clamped first (the bounds are integers, so the order does not matter), then ``+ 1.5 * 2**23`` puts the
+        rounded integer in the float's low mantissa bits, whose low byte is the two's-complement code: no
+        float-to-int conversion, which runs on the quarter-rate conversion unit of an H100/H200 SM."""
+        y = tl.minimum(tl.maximum(x * rcp[:, None], -127.0), 127.0)
+        q = (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        tl.store(q_ptr + out_base[:, None] + cols[None, :], q, mask=mask)
 
     @triton.jit
     def _int8_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm,
