@@ -17,8 +17,9 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   this pair) against ``w4a8_gelu_producer`` (GELU + smoothing + INT8 + low-rank down in one kernel
   (:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`), then the persistent GEMM); its ratio is to
   that anchor. ``w4a8_gelu_single_pass`` is the same pair for an unsmoothed down projection when the up GEMM has
-  handed over the row maxima (the producer reads ``h`` once); ``gemm_only_row_max`` (up projection) is the GEMM
-  alone with that epilogue (its cost is the difference to ``gemm_only``);
+  handed over the row maxima (the producer reads ``h`` once; ``w4a8_gelu_single_pass_packed``: with its
+  ``packed_rounding``); ``gemm_only_row_max`` (up projection) is the GEMM alone with that epilogue (its cost is
+  the difference to ``gemm_only``);
 * the whole FFN (``--ffn``, section ``ffn``): ``bf16_ffn`` (``F.linear`` up, torch GELU, ``F.linear`` down, with
   biases) against the plugin's fused W4A8 FFN, ``w4a8_ffn_two_pass`` (smoothed down projection: two-pass
   producer) and ``w4a8_ffn_single_pass`` (unsmoothed down projection: row maxima from the up GEMM, one-pass
@@ -104,6 +105,13 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
         fns["bf16_gelu_linear_bias"] = lambda: F.linear(F.gelu(h, approximate="tanh"), w, bias)
         fns["w4a8_gelu_producer"] = producer
         fns["w4a8_gelu_single_pass"] = single_pass
+
+        def single_pass_packed() -> torch.Tensor:
+            qg, sg, tg = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm,
+                                                                packed_rounding=True)
+            return gluon_w4a8_persistent_gemm(qg, sg, raw, tg, bias)
+
+        fns["w4a8_gelu_single_pass_packed"] = single_pass_packed
     else:
         fns["gemm_only_row_max"] = lambda: gluon_w4a8_persistent_gemm(
             q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"))
@@ -145,7 +153,8 @@ def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dic
     return fns, ran
 
 
-PRODUCER_ROWS = ("bf16_gelu_linear_bias", "w4a8_gelu_producer", "w4a8_gelu_single_pass")
+PRODUCER_ROWS = ("bf16_gelu_linear_bias", "w4a8_gelu_producer", "w4a8_gelu_single_pass",
+                 "w4a8_gelu_single_pass_packed")
 
 
 def anchor_of(name: str) -> str:

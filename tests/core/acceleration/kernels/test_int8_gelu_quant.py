@@ -137,3 +137,5 @@ def test_given_row_maxima_reference_and_refusals():
         triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm[:8])
     with pytest.raises(QuantizationInputError, match="row_max must be"):
         reference_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm.double())
+    with pytest.raises(QuantizationInputError, match="packed_rounding is inline PTX"):
+        triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm, packed_rounding=True)

@@ -190,3 +190,25 @@ def test_row_max_epilogue_issues_one_relaxed_atomic_per_thread_and_tile():
     assert "atom." not in plain.asm["ptx"]
     extra = with_max.metadata.shared - plain.metadata.shared
     assert 0 < extra <= row_max_smem_bytes(DEFAULT_PERSISTENT_TILE)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_single_pass_gelu_producer_keeps_the_conversion_unit_to_its_transcendentals(packed):
+    """The one-pass INT8 GELU producer converts no float to an int (codes from the float's bits) and, with
+    ``packed_rounding``, rounds to bfloat16 two elements per ``cvt.rn.bf16x2.f32``."""
+    from worldfoundry.core.acceleration.kernels import int8_gelu_quant
+
+    sig = {"h_ptr": "*bf16", "rm_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
+           "M": "i32", "K": "i32", "stride_hm": "i32", "c0": "fp32", "c1": "fp32", "neg_bound": "fp32",
+           **dict.fromkeys(["RANK", "BLOCK_M", "BLOCK_K", "WIDEN", "ACTIVATION", "PORTABLE_MATH", "SOFTWARE_ROUNDING",
+                            "EVEN_K", "PACKED_ROUNDING"], "constexpr")}
+    consts = {"RANK": 32, "BLOCK_M": 64, "BLOCK_K": 128, "WIDEN": False, "ACTIVATION": 1, "PORTABLE_MATH": False,
+              "SOFTWARE_ROUNDING": False, "EVEN_K": True, "PACKED_ROUNDING": packed}
+    kernel = triton.compile(ASTSource(fn=int8_gelu_quant._gelu_int8_given_max_kernel, signature=sig,
+                                      constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
+                            target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)
+    singles, pairs = len(re.findall(r"cvt\.rn\.bf16\.f32", ptx)), len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx))
+    # 64 x 128 elements over 256 threads: 32 roundings each (3 more for the row magnitudes)
+    assert (singles <= 3 and pairs >= 16) if packed else (singles >= 32 and pairs < 16)

@@ -109,9 +109,23 @@ if TRITON_AVAILABLE:
         return rounded.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _round_to_bfloat16_packed(y):
+        """``y`` rounded to bfloat16 (ties to even) two elements per ``cvt.rn.bf16x2.f32``, widened back to float32
+        (exact). The paired conversion runs off the SM's quarter-rate conversion unit, which the one-element form
+        uses. CUDA only (inline PTX)."""
+        b = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [y], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+        return b.to(tl.float32)
+
+    @triton.jit
     def _gelu_to_bfloat16(x, c0, c1, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
-                          SOFTWARE_ROUNDING: tl.constexpr):
+                          SOFTWARE_ROUNDING: tl.constexpr, SATURATE: tl.constexpr = True,
+                          PACKED_ROUNDING: tl.constexpr = False):
         """GELU of float32 ``x`` in float32, rounded to bfloat16 and returned as float32.
+
+        ``SATURATE=False`` leaves out the ``-0.0`` below ``z >= Z_SAT`` (there ``|y| < 2**-26 |x|``, which a
+        per-row INT8 code rounds to 0 anyway); ``PACKED_ROUNDING`` rounds two elements per conversion
+        (:func:`_round_to_bfloat16_packed`, CUDA only).
 
         Tanh (``c0``, ``c1`` = :data:`GELU_TANH_EXP2_A`, ``_B``): ``0.5 * x * (1 + tanh(u))`` is evaluated as
         ``x / (1 + 2**z)`` with ``z = x * (c0 + c1 * x * x) = -2 * u * log2(e)`` -- one ``ex2`` and one
@@ -125,7 +139,8 @@ if TRITON_AVAILABLE:
                 y = x / (1.0 + tl.exp2(z))
             else:
                 y = libdevice.fast_dividef(x, 1.0 + tl.exp2(z))
-            y = tl.where(z >= 26.0, -0.0, y)  # tanhf(u) == -1 for u <= -9.0109 (z = -2u log2 e >= 26.0)
+            if SATURATE:
+                y = tl.where(z >= 26.0, -0.0, y)  # tanhf(u) == -1 for u <= -9.0109 (z = -2u log2 e >= 26.0)
         else:
             z = x * c0
             if PORTABLE_MATH:
@@ -135,6 +150,8 @@ if TRITON_AVAILABLE:
             y = (x * 0.5) * (1.0 + e)
         if SOFTWARE_ROUNDING:
             y = _round_to_bfloat16_grid(y)
+        elif PACKED_ROUNDING:
+            y = _round_to_bfloat16_packed(y)
         else:
             y = y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
         return y

@@ -121,10 +121,19 @@ if TRITON_AVAILABLE:
 
 
     @triton.jit
+    def _store_codes_below_127(q_ptr, out_base, g, rcp, mask, cols):
+        """The codes of :func:`~.int8_act_quant._store_codes` where ``g * rcp > -127`` is known: only the upper
+        clamp (``g >= -0.1709 > -a`` for every element, since ``a >= GELU_NEGATIVE_BOUND``)."""
+        y = tl.minimum(g * rcp[:, None], 127.0)
+        q = (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        tl.store(q_ptr + out_base[:, None] + cols[None, :], q, mask=mask)
+
+    @triton.jit
     def _gelu_int8_given_max_kernel(h_ptr, rm_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_hm, c0, c1, neg_bound,
                                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                     WIDEN: tl.constexpr, ACTIVATION: tl.constexpr, PORTABLE_MATH: tl.constexpr,
-                                    SOFTWARE_ROUNDING: tl.constexpr, EVEN_K: tl.constexpr):
+                                    SOFTWARE_ROUNDING: tl.constexpr, EVEN_K: tl.constexpr,
+                                    PACKED_ROUNDING: tl.constexpr = False):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -147,12 +156,13 @@ if TRITON_AVAILABLE:
                 h = tl.load(h_ptr + row_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 d = tl.load(d_ptr + r[None, :].to(tl.int64) * K + cols[:, None], mask=(cols < K)[:, None],
                             other=0.0)
-            g = _gelu_to_bfloat16(h, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING)
+            # no -0.0 saturation: below it |g| < 2**-26 |h|, whose code is 0 either way
+            g = _gelu_to_bfloat16(h, c0, c1, ACTIVATION, PORTABLE_MATH, SOFTWARE_ROUNDING, False, PACKED_ROUNDING)
             if WIDEN:  # the interpreter multiplies bfloat16 wrongly: widen (exact; g is on the bfloat16 grid)
                 t = tl.dot(g, d.to(tl.float32), t)
             else:
                 t = tl.dot(g.to(tl.bfloat16), d, t)
-            _store_codes(q_ptr, out_base, g, rcp, m, cols)
+            _store_codes_below_127(q_ptr, out_base, g, rcp, m, cols)
         tl.store(s_ptr + rows, tl.div_rn(amax, 127.0), mask=rmask)
         t_ptrs = t_ptr + rows.to(tl.int64)[:, None] * RANK + r[None, :]
         tl.store(t_ptrs, t.to(tl.bfloat16), mask=rmask[:, None])
@@ -202,6 +212,9 @@ def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.T
     """The single pass with given row maxima (launch values ``None``: this kernel's defaults)."""
     (q, scale, t), (activation, c0, c1) = outs, act
     m, k = h.shape
+    if launch["packed_rounding"] and (interp or h.device.type != "cuda"):
+        raise QuantizationInputError("gelu_quantize_rows_int8_lowrank: packed_rounding is inline PTX; it needs a "
+                                     "CUDA device without TRITON_INTERPRET")
     bm = launch["block_m"] or (16 if interp else GIVEN_MAX_BLOCK_M)
     portable, software = launch["portable_math"], launch["software_rounding"]
     bk = launch["block_k"] or (64 if interp else GIVEN_MAX_BLOCK_K)
@@ -210,7 +223,7 @@ def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.T
         BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, WIDEN=h.device.type != "cuda",
         ACTIVATION=activation, PORTABLE_MATH=interp if portable is None else portable,
         SOFTWARE_ROUNDING=interp if software is None else software,
-        num_warps=launch["num_warps"] or (4 if interp else GIVEN_MAX_WARPS),
+        num_warps=launch["num_warps"] or (4 if interp else GIVEN_MAX_WARPS), PACKED_ROUNDING=launch["packed_rounding"],
         enable_fp_fusion=False,  # g * rcp must round before the rounding addition (no FMA)
     )
 
@@ -218,8 +231,8 @@ def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.T
 def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, inv_smooth: torch.Tensor | None,
                                            lora_down: torch.Tensor, *, row_max: torch.Tensor | None = None,
                                            block_m: int | None = None, block_k: int | None = None,
-                                           num_warps: int | None = None,
-                                           portable_math: bool | None = None, software_rounding: bool | None = None
+                                           num_warps: int | None = None, portable_math: bool | None = None,
+                                           software_rounding: bool | None = None, packed_rounding: bool = False
                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GELU + smoothing + per-token INT8 codes and ``t = bf16(GELU(h)) @ D.T`` of ``h`` in one kernel.
 
@@ -235,7 +248,8 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
         block_m / block_k / num_warps: launch shape (defaults :data:`DEFAULT_BLOCK_M`, :data:`DEFAULT_BLOCK_K`,
             :data:`DEFAULT_WARPS`; 16 / 64 / 4 under the interpreter).
         portable_math / software_rounding: tanh/erf without libdevice, bfloat16 rounding in bit arithmetic
-            (default: only under the interpreter, as the FP8 producer).
+            (default: only under the interpreter, as the FP8 producer); packed_rounding: with ``row_max`` on CUDA,
+            two elements per bfloat16 conversion (the same values; off until timed on the GPU).
 
     Returns:
         ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``.
@@ -254,14 +268,13 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     if h.device.type != "cuda" and not interp:
         raise QuantizationInputError(f"gelu_quantize_rows_int8_lowrank: tensor on {h.device}; the kernel needs a "
                                      "CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-    q = torch.empty((m, k), dtype=torch.int8, device=h.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=h.device)
+    q, scale = torch.empty((m, k), dtype=torch.int8, device=h.device), torch.empty((m, 1), device=h.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=h.device)
     _check_given_max(row_max, inv_smooth, m)
     if row_max is not None and m:
-        _launch_given_max(h, row_max, lora_down, (q, scale, t), (activation, c0, c1), interp,
-                          dict(block_m=block_m, block_k=block_k, num_warps=num_warps, portable_math=portable_math,
-                               software_rounding=software_rounding))
+        _launch_given_max(h, row_max, lora_down, (q, scale, t), (activation, c0, c1), interp, dict(
+            block_m=block_m, block_k=block_k, num_warps=num_warps, portable_math=portable_math,
+            software_rounding=software_rounding, packed_rounding=packed_rounding))
     if row_max is not None or m == 0:
         return q, scale, t
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
