@@ -19,7 +19,7 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   that anchor. ``w4a8_gelu_single_pass`` is the same pair for an unsmoothed down projection when the up GEMM has
   handed over the row maxima (the producer reads ``h`` once; ``w4a8_gelu_single_pass_packed``: with its
   ``packed_rounding``); ``gemm_only_row_max`` (up projection) is the GEMM alone with that epilogue (its cost is
-  the difference to ``gemm_only``);
+  the difference to ``gemm_only``; ``..._staged``: the maxima read from the tile staged for the store);
 * the whole FFN (``--ffn``, section ``ffn``): ``bf16_ffn`` (``F.linear`` up, torch GELU, ``F.linear`` down, with
   biases) against the plugin's fused W4A8 FFN, ``w4a8_ffn_two_pass`` (smoothed down projection: two-pass
   producer) and ``w4a8_ffn_single_pass`` (unsmoothed down projection: row maxima from the up GEMM, one-pass
@@ -115,6 +115,8 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
     else:
         fns["gemm_only_row_max"] = lambda: gluon_w4a8_persistent_gemm(
             q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"))
+        fns["gemm_only_row_max_staged"] = lambda: gluon_w4a8_persistent_gemm(
+            q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"), row_max_staged=True)
     return fns, ran
 
 

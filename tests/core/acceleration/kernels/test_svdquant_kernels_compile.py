@@ -143,7 +143,7 @@ def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m):
     assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)  # codes from the float's bits, no conversion
 
 
-def _compile_persistent_w4a8(row_max: bool):
+def _compile_persistent_w4a8(row_max: int):
     """The persistent Gluon W4A8 kernel at its default tile, compiled for sm_90 from CPU tensors' descriptors."""
     import inspect
 
@@ -177,19 +177,28 @@ def _compile_persistent_w4a8(row_max: bool):
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"), reason="the Gluon kernels are written for triton 3.6 "
                     "(the GPU image's)")
 def test_row_max_epilogue_issues_one_relaxed_atomic_per_thread_and_tile():
-    """The epilogue moves each token's maximum to one thread before the atomic: in the accumulator's slice every
-    value sits in many threads, and an atomic from each copy cost 0.26 ms at 1536 -> 8960 on the H200."""
+    """Both row-maximum forms issue one atomic per thread and tile: the accumulator form moves each token's maximum
+    to one thread first (in the accumulator's slice every value sits in many threads, and an atomic from each copy
+    cost 0.26 ms at 1536 -> 8960 on the H200); the staged form reads one token row per thread."""
     from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import (
         DEFAULT_PERSISTENT_TILE,
         row_max_smem_bytes,
     )
 
-    plain, with_max = _compile_persistent_w4a8(False), _compile_persistent_w4a8(True)
-    atomics = [line for line in with_max.asm["ptx"].splitlines() if "atom." in line]
-    assert len(atomics) == 1 and ".relaxed.max.s32" in atomics[0]
+    plain, with_max, staged = (_compile_persistent_w4a8(mode) for mode in (0, 1, 2))
+    for kernel in (with_max, staged):
+        atomics = [line for line in kernel.asm["ptx"].splitlines() if "atom." in line]
+        assert len(atomics) == 1 and ".relaxed.max.s32" in atomics[0]
     assert "atom." not in plain.asm["ptx"]
     extra = with_max.metadata.shared - plain.metadata.shared
     assert 0 < extra <= row_max_smem_bytes(DEFAULT_PERSISTENT_TILE)
+    # the staged form: no shuffles, no shared memory beyond the plain kernel's, about a quarter of the instructions
+    assert "shfl.sync.bfly" not in staged.asm["ptx"] and staged.metadata.shared == plain.metadata.shared
+
+    def count(kernel) -> int:  # noqa: ANN001 - a compiled kernel
+        return sum(1 for line in kernel.asm["ptx"].splitlines() if line.strip()[:1].isalpha())
+
+    assert count(staged) - count(plain) < (count(with_max) - count(plain)) / 2
 
 
 @pytest.mark.parametrize("packed", [False, True])

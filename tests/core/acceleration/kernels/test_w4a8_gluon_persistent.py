@@ -163,9 +163,11 @@ def test_row_max_output_is_checked_before_any_launch() -> None:
 @pytest.mark.parametrize("tile", [t for t in TILES if t.smem_bytes() + row_max_smem_bytes(t) <= HOPPER_SMEM_BYTES],
                          ids=lambda t: "x".join(map(str, t.to_json().values())))
 @pytest.mark.parametrize("mkn", [(77, 384, 136), (4100, 1536, 8960)])
-def test_row_max_epilogue(mkn, tile) -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_row_max_epilogue(mkn, tile, staged) -> None:
     """The epilogue merges each row's largest bfloat16 output (floored at 0) into ``row_max``: equal to a reduction
-    of the output, the same on every run, larger values already there kept; the output is unchanged by it."""
+    of the output, the same on every run, larger values already there kept; the output is unchanged by it (from
+    the accumulator or, ``staged``, from the tile staged for the store)."""
     m, k, n = mkn
     if k % tile.block_k:
         pytest.skip("K is not a multiple of the tile's block_k")
@@ -176,6 +178,6 @@ def test_row_max_epilogue(mkn, tile) -> None:
         row_max = torch.zeros(m, device="cuda")
         row_max[0] = 1e30
         out = gluon_w4a8_persistent_gemm(ops["q"], ops["s"], ops["w"], ops["t"], ops["bias"], tile=tile,
-                                         row_max=row_max)
+                                         row_max=row_max, row_max_staged=staged)
         assert torch.equal(out, plain)
         assert float(row_max[0]) == float(torch.tensor(1e30)) and torch.equal(row_max[1:], expected[1:])

@@ -23,7 +23,9 @@ int8 and packed weight tile ``[BLOCK_W, BLOCK_K / 2]``), with a ``ready`` and an
   shared tile is written again, one tile later, so the store overlaps the next tile's main loop;
 * **row maximum** (``ROW_MAX``, optional): the tile's largest bfloat16 output per token, floored at 0, is merged
   into ``row_max[token]`` with an atomic maximum on the float's bits (non-negative floats order as their int32
-  bits, and a maximum does not depend on the order the tiles arrive in: the result is deterministic). A GELU
+  bits, and a maximum does not depend on the order the tiles arrive in: the result is deterministic). ``ROW_MAX``
+  1 reduces the accumulator across lanes and warps before the store; 2 reads the bfloat16 tile staged for the
+  store back, one token row per thread, while the TMA store is in flight. A GELU
   producer that quantizes this output per token then knows each row's scale before reading the row, and reads it
   once (:mod:`.int8_gelu_quant`).
 
@@ -203,6 +205,18 @@ if GLUON_AVAILABLE:
         gl.atomic_max(rm_ptr + offs, tmax.to(gl.int32, bitcast=True), mask=offs < M, sem="relaxed")
 
     @gluon.jit
+    def _merge_row_max_staged(c_smem, rm_ptr, off_t, M):
+        """:func:`_merge_row_max` from the bfloat16 tile staged for the TMA store (``[tokens, outputs]``), read one
+        token row per thread while the store is in flight: no cross-lane or cross-warp reduction."""
+        BLOCK_T: gl.constexpr = c_smem.type.shape[0]
+        BLOCK_W: gl.constexpr = c_smem.type.shape[1]
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        rows: gl.constexpr = gl.BlockedLayout([1, BLOCK_W], [32, 1], [NUM_WARPS, 1], [1, 0])
+        tmax = gl.maximum(gl.max(c_smem.load(rows).to(gl.float32), axis=1), 0.0)
+        offs = off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, rows))
+        gl.atomic_max(rm_ptr + offs, tmax.to(gl.int32, bitcast=True), mask=offs < M, sem="relaxed")
+
+    @gluon.jit
     def _consumer_partition(x_bufs, w_bufs, ready, empty, c_smem, out_desc, t_desc, u_desc, xs_ptr, ws_ptr, b_ptr,
                             rm_ptr, M, N, K, W_SCALE_MUL: gl.constexpr, LR_STEPS: gl.constexpr,
                             HAS_BIAS: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr,
@@ -236,9 +250,11 @@ if GLUON_AVAILABLE:
                 out, it = _add_lowrank(out, x_bufs, w_bufs, ready, empty, it, t_desc, u_desc, STAGES, LR_STEPS)
             if HAS_BIAS:
                 out = out + gl.expand_dims(bias, 1)
-            if ROW_MAX:
+            if ROW_MAX == 1:
                 _merge_row_max(out, rm_ptr, off_t, M)
             _store_transposed(out, c_smem, out_desc, off_t, off_w)
+            if ROW_MAX == 2:
+                _merge_row_max_staged(c_smem, rm_ptr, off_t, M)
         tma.store_wait(0)
 
     @gluon.jit
