@@ -23,7 +23,8 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 * the whole FFN (``--ffn``, section ``ffn``): ``bf16_ffn`` (``F.linear`` up, torch GELU, ``F.linear`` down, with
   biases) against the plugin's fused W4A8 FFN, ``w4a8_ffn_two_pass`` (smoothed down projection: two-pass
   producer) and ``w4a8_ffn_single_pass`` (unsmoothed down projection: row maxima from the up GEMM, one-pass
-  producer), each exactly as :class:`worldfoundry_svdquant.ffn_fusion_w4a8.FusedW4A8FFN` runs it.
+  producer), each exactly as :class:`worldfoundry_svdquant.ffn_fusion_w4a8.FusedW4A8FFN` runs it, and
+  ``w4a8_ffn_single_pass_opt_in`` (the single pass with ``row_max_staged`` and ``packed_rounding``).
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from cuda_timing import time_ms
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import (
     BackendChoice,
     svdquant_linear,
@@ -147,9 +149,18 @@ def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dic
                                                          row_max=row_max)
         return w4a8_gemm_from_codes(q, s, down_w, t, b2, torch.bfloat16, BackendChoice("w4a8"))[0]
 
+    def fused_opt_in() -> torch.Tensor:  # the single pass with the untimed opt-ins: staged row maxima, packed rounding
+        row_max = torch.zeros(M_TOKENS, device="cuda")
+        q, s, t = triton_quantize_rows_int8_lowrank(x, up_w.inv_smooth, up_w.lora_down)
+        h = gluon_w4a8_persistent_gemm(q, s, up_w, t, b1, row_max=row_max, row_max_staged=True)
+        q, s, t = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down_raw.lora_down, row_max=row_max,
+                                                         packed_rounding=True)
+        return gluon_w4a8_persistent_gemm(q, s, down_raw, t, b2)
+
     fns = {"bf16_ffn": lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2),
            "w4a8_ffn_two_pass": lambda: fused(down_smooth),
-           "w4a8_ffn_single_pass": lambda: fused(down_raw)}
+           "w4a8_ffn_single_pass": lambda: fused(down_raw),
+           "w4a8_ffn_single_pass_opt_in": fused_opt_in}
     ran = {"w4a8_ffn_single_pass": svdquant_linear(x, up_w, b1, backend="w4a8",
                                                    row_max=torch.zeros(M_TOKENS, device="cuda"))[1].backend}
     return fns, ran
