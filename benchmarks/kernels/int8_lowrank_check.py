@@ -2,7 +2,7 @@
 
 Three kernels: the quantizer + low-rank down projection (:mod:`...int8_quant_lowrank`, the up projection's input),
 the GELU producer (:mod:`...int8_gelu_quant`, the down projection's input) and its single pass with given row maxima
-(``gelu_single_pass``: no smoothing, ``row_max`` of the input, every shape also with ``packed_rounding``;
+(``gelu_single_pass``: no smoothing, ``row_max`` of the input, every shape with ``packed_rounding`` on and off;
 ``--kernels`` picks). For K 1,536 and 8,960 (M 32,760 tokens, rank 32, smoothing except for the single pass)
 and every launch shape ``block_m`` 16/32/64 x ``block_k`` 64/128/256 x 4/8 warps (and the default), each shape
 runs ``--repeats`` times:
@@ -86,8 +86,8 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
         if name not in args.kernels:
             continue
         launches = SHAPES + [{}]
-        if name == "gelu_single_pass":  # and each shape with two elements per bfloat16 conversion
-            launches += [dict(launch, packed_rounding=True) for launch in SHAPES + [{}]]
+        if name == "gelu_single_pass":  # each shape both ways: two elements per bfloat16 conversion, and one
+            launches = [dict(launch, packed_rounding=packed) for packed in (True, False) for launch in launches]
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in launches]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in

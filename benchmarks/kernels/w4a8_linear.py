@@ -17,14 +17,16 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   this pair) against ``w4a8_gelu_producer`` (GELU + smoothing + INT8 + low-rank down in one kernel
   (:mod:`~worldfoundry.core.acceleration.kernels.int8_gelu_quant`), then the persistent GEMM); its ratio is to
   that anchor. ``w4a8_gelu_single_pass`` is the same pair for an unsmoothed down projection when the up GEMM has
-  handed over the row maxima (the producer reads ``h`` once; ``w4a8_gelu_single_pass_packed``: with its
-  ``packed_rounding``); ``gemm_only_row_max`` (up projection) is the GEMM alone with that epilogue (its cost is
-  the difference to ``gemm_only``; ``..._staged``: the maxima read from the tile staged for the store);
+  handed over the row maxima (the producer reads ``h`` once, two elements per bfloat16 rounding;
+  ``w4a8_gelu_single_pass_unpacked``: ``packed_rounding=False``); ``gemm_only_row_max`` (up projection) is the
+  GEMM alone with that epilogue (its cost is the difference to ``gemm_only``; ``..._reduced``: the maxima
+  reduced from the accumulator, ``row_max_staged=False``);
 * the whole FFN (``--ffn``, section ``ffn``): ``bf16_ffn`` (``F.linear`` up, torch GELU, ``F.linear`` down, with
   biases) against the plugin's fused W4A8 FFN, ``w4a8_ffn_two_pass`` (smoothed down projection: two-pass
   producer) and ``w4a8_ffn_single_pass`` (unsmoothed down projection: row maxima from the up GEMM, one-pass
   producer), each exactly as :class:`worldfoundry_svdquant.ffn_fusion_w4a8.FusedW4A8FFN` runs it, and
-  ``w4a8_ffn_single_pass_opt_in`` (the single pass with ``row_max_staged`` and ``packed_rounding``).
+  ``w4a8_ffn_single_pass_earlier`` (the single pass as first timed: ``row_max_staged=False``,
+  ``packed_rounding=False``).
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -108,17 +110,17 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
         fns["w4a8_gelu_producer"] = producer
         fns["w4a8_gelu_single_pass"] = single_pass
 
-        def single_pass_packed() -> torch.Tensor:
+        def single_pass_unpacked() -> torch.Tensor:
             qg, sg, tg = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down, row_max=rm,
-                                                                packed_rounding=True)
+                                                                packed_rounding=False)
             return gluon_w4a8_persistent_gemm(qg, sg, raw, tg, bias)
 
-        fns["w4a8_gelu_single_pass_packed"] = single_pass_packed
+        fns["w4a8_gelu_single_pass_unpacked"] = single_pass_unpacked
     else:
         fns["gemm_only_row_max"] = lambda: gluon_w4a8_persistent_gemm(
             q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"))
-        fns["gemm_only_row_max_staged"] = lambda: gluon_w4a8_persistent_gemm(
-            q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"), row_max_staged=True)
+        fns["gemm_only_row_max_reduced"] = lambda: gluon_w4a8_persistent_gemm(
+            q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"), row_max_staged=False)
     return fns, ran
 
 
@@ -149,25 +151,25 @@ def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dic
                                                          row_max=row_max)
         return w4a8_gemm_from_codes(q, s, down_w, t, b2, torch.bfloat16, BackendChoice("w4a8"))[0]
 
-    def fused_opt_in() -> torch.Tensor:  # the single pass with the untimed opt-ins: staged row maxima, packed rounding
+    def fused_earlier() -> torch.Tensor:  # the single pass as first timed: reduced row maxima, one rounding each
         row_max = torch.zeros(M_TOKENS, device="cuda")
         q, s, t = triton_quantize_rows_int8_lowrank(x, up_w.inv_smooth, up_w.lora_down)
-        h = gluon_w4a8_persistent_gemm(q, s, up_w, t, b1, row_max=row_max, row_max_staged=True)
+        h = gluon_w4a8_persistent_gemm(q, s, up_w, t, b1, row_max=row_max, row_max_staged=False)
         q, s, t = triton_gelu_quantize_rows_int8_lowrank(h, "tanh", None, down_raw.lora_down, row_max=row_max,
-                                                         packed_rounding=True)
+                                                         packed_rounding=False)
         return gluon_w4a8_persistent_gemm(q, s, down_raw, t, b2)
 
     fns = {"bf16_ffn": lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2),
            "w4a8_ffn_two_pass": lambda: fused(down_smooth),
            "w4a8_ffn_single_pass": lambda: fused(down_raw),
-           "w4a8_ffn_single_pass_opt_in": fused_opt_in}
+           "w4a8_ffn_single_pass_earlier": fused_earlier}
     ran = {"w4a8_ffn_single_pass": svdquant_linear(x, up_w, b1, backend="w4a8",
                                                    row_max=torch.zeros(M_TOKENS, device="cuda"))[1].backend}
     return fns, ran
 
 
 PRODUCER_ROWS = ("bf16_gelu_linear_bias", "w4a8_gelu_producer", "w4a8_gelu_single_pass",
-                 "w4a8_gelu_single_pass_packed")
+                 "w4a8_gelu_single_pass_unpacked")
 
 
 def anchor_of(name: str) -> str:

@@ -88,9 +88,9 @@ def test_single_pass_producer_bitwise_given_its_gelu_and_stable(m, k, approximat
     for _ in range(2):
         again = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down, row_max=rm)
         assert all(torch.equal(a, b) for a, b in zip(again, (q, s, t)))
-    # two elements per bfloat16 conversion: the same values
-    packed = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down, row_max=rm, packed_rounding=True)
-    assert all(torch.equal(a, b) for a, b in zip(packed, (q, s, t)))
+    # the default rounds two elements per bfloat16 conversion on CUDA: one at a time gives the same values
+    single = triton_gelu_quantize_rows_int8_lowrank(h, approximate, None, down, row_max=rm, packed_rounding=False)
+    assert all(torch.equal(a, b) for a, b in zip(single, (q, s, t)))
 
 
 def test_fused_ffn_single_pass_on_cuda(kit, tmp_path):

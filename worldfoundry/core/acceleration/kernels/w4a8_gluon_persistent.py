@@ -205,7 +205,7 @@ def check_row_max(row_max: torch.Tensor | None, m: int, device: torch.device,
 def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight,
                                t: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                                tile: PersistentTile | None = None, row_max: torch.Tensor | None = None,
-                               row_max_staged: bool = False) -> torch.Tensor:
+                               row_max_staged: bool = True) -> torch.Tensor:
     """The per-channel SVDQuant W4A8 GEMM with a persistent, warp-specialised schedule.
 
     Args:
@@ -217,8 +217,9 @@ def gluon_w4a8_persistent_gemm(q: torch.Tensor, scale: torch.Tensor, weight: SVD
         row_max: optional float32 ``[M]`` that receives ``max(row_max[m], max_n out[m, n], 0)`` (pass zeros for
             each row's largest output, floored at 0): the epilogue merges it in with an atomic maximum.
         row_max_staged: take the row maxima from the bfloat16 tile staged for the TMA store, one token row per
-            thread while the store is in flight, instead of reducing the accumulator across lanes and warps
-            (the same values; about a quarter of the instructions and no extra shared memory; not yet timed).
+            thread while the store is in flight (the default: the same values, about a quarter of the
+            instructions, no extra shared memory; H200, W81 up projection: 0.923 against 0.882 ms without row
+            maxima, where ``False``, a reduction of the accumulator across lanes and warps, took 1.089 ms).
 
     Returns:
         bfloat16 ``[M, N]``.
