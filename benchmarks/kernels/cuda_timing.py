@@ -23,3 +23,50 @@ def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
+
+
+def time_ms_queued(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> float:
+    """Median milliseconds per call over ``reps`` samples of ``burst`` back-to-back calls between one pair of CUDA
+    events: the host's launch latency counts once per burst instead of once per call (the GPU's queue stays full
+    while the host issues the next call faster than the GPU runs one, as in a device-bound model forward)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(burst):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / burst)
+    return statistics.median(samples)
+
+
+def time_ms_graph(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> float:
+    """Median milliseconds per call of a CUDA graph holding ``burst`` calls of ``fn``, replayed ``reps`` times (the
+    GPU's own time: no host work between kernels). ``fn`` is run ``warmup`` times on a side stream before the
+    capture (lazy compilation, tuning and allocations happen outside the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(burst):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / burst)
+    del graph
+    return statistics.median(samples)

@@ -14,7 +14,8 @@ runs ``--repeats`` times:
   they sit;
 * every repeat bitwise equal to the first (a launch shape with a race differs between runs).
 
-Then the shape is timed (CUDA events, median). Writes ``<out>/int8_lowrank_check.json``.
+Then the shape is timed (CUDA events, median): ``ms`` one synchronised call per sample (the host's launch
+latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone). Writes ``<out>/int8_lowrank_check.json``.
 
     python benchmarks/kernels/int8_lowrank_check.py --out "$OUT"     # about two minutes on an H200
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from cuda_timing import time_ms
+from cuda_timing import time_ms, time_ms_graph
 
 from worldfoundry.core.acceleration.kernels.int8_act_quant import triton_quantize_rows_int8
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
@@ -59,6 +60,7 @@ def check_shape(run, q_ref, s_ref, t_ref, launch: dict[str, Any], args: argparse
         row["repeats_equal"] = all(all(torch.equal(a, b) for a, b in zip(run(**launch), first))
                                    for _ in range(args.repeats - 1))
         row["ms"] = time_ms(lambda: run(**launch), args.warmup, args.reps)
+        row["ms_graph"] = time_ms_graph(lambda: run(**launch), args.warmup, 5, 10)
     except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return row
@@ -91,7 +93,8 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in launches]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in
-                                         ("bitwise_codes", "repeats_equal", "t_max_rel", "t_bad", "ms", "error")},
+                                         ("bitwise_codes", "repeats_equal", "t_max_rel", "t_bad", "ms", "ms_graph",
+                                          "error")},
                   flush=True)
         out[name] = rows
     return out

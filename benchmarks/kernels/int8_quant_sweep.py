@@ -1,7 +1,8 @@
 """H200 launch sweep of the W4A8 Linear's input side: per-token INT8 quantization and the low-rank down projection.
 
 At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens, K = 1536 and 8960, rank 32, with smoothing), one process
-times (CUDA events, median of ``--reps`` after ``--warmup``; L2 not flushed):
+times (CUDA events, median of ``--reps`` after ``--warmup``; L2 not flushed; ``ms`` one synchronised call per
+sample, the host's launch latency included, and ``ms_graph`` a CUDA graph of ten calls, the GPU's time alone):
 
 * memory references: ``x.clone()`` (read and write 2 bytes per element) and ``x.to(torch.int8)`` (the quantizer's
   own traffic: read 2, write 1);
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from cuda_timing import time_ms
+from cuda_timing import time_ms, time_ms_graph
 
 from worldfoundry.core.acceleration.kernels.fp8_rowwise_quant import row_pieces
 from worldfoundry.core.acceleration.kernels.int8_act_quant import _int8_rows_kernel, triton_quantize_rows_int8
@@ -103,7 +104,8 @@ def shape_section(k: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
     t_ref = F.linear(x, down).float()
 
     def timed(fn, check=None) -> dict[str, Any]:
-        row: dict[str, Any] = {"ms": time_ms(fn, args.warmup, args.reps)}
+        row: dict[str, Any] = {"ms": time_ms(fn, args.warmup, args.reps),
+                               "ms_graph": time_ms_graph(fn, args.warmup, 5, 10)}  # the GPU's time alone
         if check is not None:
             row.update(check(fn()))
         return row

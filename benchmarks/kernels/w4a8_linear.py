@@ -31,10 +31,13 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
 launches, median), and a variant's ratio to bf16 is taken *within* each block; the report gives the median ratio
-over blocks and its range. Operands: Gaussian activations and weights, random smoothing and factors (speed only;
+over blocks and its range. Each sample is timed three ways side by side (``--timing``, :data:`TIMERS`): one
+synchronised call (the host's launch latency before the first kernel counts: the W4A8 Linear issues two kernels
+and more Python than ``F.linear``), a burst of back-to-back calls (as in a device-bound forward, where the host
+runs ahead) and a CUDA graph of the burst (the GPU's time alone). Operands: Gaussian activations and weights, random smoothing and factors (speed only;
 the numerics are tested in the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
 
-    python benchmarks/kernels/w4a8_linear.py --out "$OUT"      # about 30 s on an H200
+    python benchmarks/kernels/w4a8_linear.py --out "$OUT"      # about a minute on an H200
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from cuda_timing import time_ms
+from cuda_timing import time_ms, time_ms_graph, time_ms_queued
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
@@ -179,19 +182,36 @@ def anchor_of(name: str) -> str:
     return "bf16_ffn" if "ffn" in name else "bf16_linear_bias"
 
 
-def shape_section(k: int, n: int, blocks: int, reps: int) -> dict[str, Any]:
-    fns, ran = variants(k, n) if k else ffn_variants()
-    per_block: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(blocks):
-        for name, fn in fns.items():
-            per_block[name].append(time_ms(fn, 2, reps))
+#: Calls per sample of the queued and graph timings.
+BURST = 10
+#: How a sample is timed (``--timing``): ``synced``, one call between CUDA events and a synchronisation (the host's
+#: launch latency before the first kernel counts, once per call); ``queued``, :data:`BURST` back-to-back calls (the
+#: host's latency once per burst, as in a device-bound forward); ``graph``, :data:`BURST` calls captured in one
+#: CUDA graph (the GPU's time alone, as under the ``cuda_graph`` plugin).
+TIMERS = {"synced": lambda fn, reps: time_ms(fn, 2, reps),
+          "queued": lambda fn, reps: time_ms_queued(fn, 2, max(3, reps // BURST), BURST),
+          "graph": lambda fn, reps: time_ms_graph(fn, 2, max(3, reps // BURST), BURST)}
+
+
+def _rows(per_block: dict[str, list[float]]) -> dict[str, Any]:
     rows = {}
     for name, times in per_block.items():
         anchor = anchor_of(name)
         ratios = [b / t for b, t in zip(per_block[anchor], times)]
         rows[name] = {"anchor": anchor, "ms_per_block": times, "median_ms": statistics.median(times),
                       "speedup_vs_bf16": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
-    return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran, "rows": rows}
+    return rows
+
+
+def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str]) -> dict[str, Any]:
+    fns, ran = variants(k, n) if k else ffn_variants()
+    per_block = {method: {name: [] for name in fns} for method in timings}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            for method in timings:
+                per_block[method][name].append(TIMERS[method](fn, reps))
+    return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran,
+            "timing": {method: _rows(per_block[method]) for method in timings}}
 
 
 def main() -> None:
@@ -200,21 +220,25 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--ffn", action="store_true", help="also time the whole FFN (section 'ffn')")
+    parser.add_argument("--timing", nargs="+", choices=sorted(TIMERS), default=["synced", "queued", "graph"],
+                        help="how samples are timed (TIMERS; default all three, side by side)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps) for k, n in SHAPES}
+    shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps, args.timing) for k, n in SHAPES}
     if args.ffn:
-        shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps)
+        shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps, args.timing)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
-              "reps": args.reps, "shapes": shapes}
+              "reps": args.reps, "burst": BURST, "commit": os.environ.get("COMMIT"), "shapes": shapes}
     (out / "w4a8_linear.json").write_text(json.dumps(report, indent=1))
     for key, sec in report["shapes"].items():
         print(key, "ran:", sec["backend_ran"])
-        for name, row in sec["rows"].items():
-            lo, hi = row["speedup_range"]
-            print(f"  {name:<30} {row['median_ms']:.3f} ms  {row['speedup_vs_bf16']:.3f}x {row['anchor']} "
-                  f"[{lo:.3f}, {hi:.3f}]")
+        for method, rows in sec["timing"].items():
+            print(f" timing {method}")
+            for name, row in rows.items():
+                lo, hi = row["speedup_range"]
+                print(f"  {name:<30} {row['median_ms']:.3f} ms  {row['speedup_vs_bf16']:.3f}x {row['anchor']} "
+                      f"[{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":
