@@ -30,7 +30,8 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
-launches, median), and a variant's ratio to bf16 is taken *within* each block; the report gives the median ratio
+launches, median; the order rotates by one variant per block, since two rows of the same code differed by 5-15 %
+when one always ran right after the bf16 anchor), and a variant's ratio to bf16 is taken *within* each block; the report gives the median ratio
 over blocks and its range. Each sample is timed four ways side by side (``--timing``, :data:`TIMERS`): one
 synchronised call (the host's launch latency before the first kernel counts: the W4A8 Linear issues two kernels
 and more Python than ``F.linear``), one call replayed from a CUDA graph (no host latency, the same idle gap), a
@@ -211,10 +212,11 @@ def _rows(per_block: dict[str, list[float]]) -> dict[str, Any]:
 def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str]) -> dict[str, Any]:
     fns, ran = variants(k, n) if k else ffn_variants()
     per_block = {method: {name: [] for name in fns} for method in timings}
-    for _ in range(blocks):
-        for name, fn in fns.items():
+    names = list(fns)
+    for block in range(blocks):  # the order rotates from block to block: no variant always follows the anchor
+        for name in names[block % len(names):] + names[:block % len(names)]:
             for method in timings:
-                per_block[method][name].append(TIMERS[method](fn, reps))
+                per_block[method][name].append(TIMERS[method](fns[name], reps))
     return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran,
             "timing": {method: _rows(per_block[method]) for method in timings}}
 
