@@ -201,6 +201,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     policy = RuntimePolicy(device=config.device, dtype=config.dtype)
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
                                                    random_weights=config.random_weights, registry=registry)
     gc.collect()
@@ -209,7 +210,9 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     # (``kernel_compile: auto`` -> blocking), never beside timed or proved calls
     compile_mode = set_default_compile_mode("blocking")
     try:
+        loaded = time.perf_counter()
         results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
+        results["wall_s"] = {"load": loaded - started, **results["wall_s"], "total": time.perf_counter() - started}
         insert_rows(results["candidates"], plan.unavailable)
     finally:
         set_default_compile_mode(compile_mode)
@@ -238,6 +241,7 @@ def _inputs(candidates_path: str, config: BenchConfig, cfile: CandidateFile) -> 
 def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfig, model: str, seeds: list[int],
          rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry) -> dict[str, Any]:
     gate = None if config.quality_only else HostGate(budget_s=host_hold_s(config))
+    began = time.perf_counter()
     runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None, host_gate=gate)
     monitor = GpuSharingMonitor(policy.device)
     dense = {seed: runner.generate(seed, "dense-pilot", decode=True) for seed in seeds}
@@ -274,15 +278,15 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     tpolicy = _decision_policy(results, config, tpolicy, noise_floor)
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
+    walls = results["wall_s"] = {"dense_and_control": time.perf_counter() - began, "candidates": 0.0}
     for cand in cfile.candidates:
+        t0 = time.perf_counter()
         results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy, registry,
                                                monitor, bar, noise_floor))
+        results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
+        walls["candidates"] += results["candidates"][-1]["wall_s"]
     if config.peers and not config.quality_only:
-        from worldfoundry.bench.peers import run_peers
-
-        # reference rows get no verdict, so no extension of undecided rounds either
-        results["peers"] = run_peers(config.peers, runner, dense, seeds,
-                                     replace(tpolicy, threshold=None, width_pool=None))
+        _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     bar.close()
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
@@ -293,6 +297,17 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dense: dict[int, Any], seeds: list[int],
+                tpolicy: TimingPolicy) -> None:
+    """The peer reference rows (``results["peers"]``) and their wall time."""
+    from worldfoundry.bench.peers import run_peers
+
+    t0 = time.perf_counter()
+    # reference rows get no verdict, so no extension of undecided rounds either
+    results["peers"] = run_peers(peers, runner, dense, seeds, replace(tpolicy, threshold=None, width_pool=None))
+    results["wall_s"]["peers"] = time.perf_counter() - t0
 
 
 def _record_policy_state(results: dict[str, Any], tpolicy: TimingPolicy) -> None:

@@ -62,6 +62,20 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _wall_line(results: dict[str, Any]) -> list[str]:
+    """Where the run's wall time went (``results["wall_s"]``; absent in results written before it existed)."""
+    walls = results.get("wall_s")
+    if not isinstance(walls, dict) or "total" not in walls:
+        return []
+    parts = [f"model load {walls.get('load', 0):.0f} s",
+             f"dense pilot and control {walls.get('dense_and_control', 0):.0f} s",
+             f"{sum('wall_s' in c for c in results.get('candidates', []))} candidates "
+             f"{walls.get('candidates', 0):.0f} s"]
+    if "peers" in walls:
+        parts.append(f"peers {walls['peers']:.0f} s")
+    return [f"- wall: {walls['total']:.0f} s ({', '.join(parts)})"]
+
+
 def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     env = results["environment"]
     git = results["git"]
@@ -86,6 +100,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- timing: {_timing_line(results)}",
         f"- host speed: {describe_host(results.get('host_speed'))}",
         f"- host gate: {describe_gate(results.get('host_gate'))}",
+        *_wall_line(results),
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
         render_table(results),

@@ -212,6 +212,8 @@ def _launch_given_max(h: torch.Tensor, row_max: torch.Tensor, lora_down: torch.T
     """The single pass with given row maxima (launch values ``None``: this kernel's defaults)."""
     (q, scale, t), (activation, c0, c1) = outs, act
     m, k = h.shape
+    if launch["packed_rounding"] is None:  # the default: on CUDA (inline PTX)
+        launch = dict(launch, packed_rounding=not interp and h.device.type == "cuda")
     if launch["packed_rounding"] and (interp or h.device.type != "cuda"):
         raise QuantizationInputError("gelu_quantize_rows_int8_lowrank: packed_rounding is inline PTX; it needs a "
                                      "CUDA device without TRITON_INTERPRET")
@@ -249,11 +251,10 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
             :data:`DEFAULT_WARPS`; 16 / 64 / 4 under the interpreter).
         portable_math / software_rounding: tanh/erf without libdevice, bfloat16 rounding in bit arithmetic
             (default: only under the interpreter, as the FP8 producer); packed_rounding: with ``row_max`` on CUDA,
-            two elements per bfloat16 conversion (the same values; the default, ``None``, there: H200, W81 down
-            projection with this producer 1.061 against 1.238 ms; ``True`` elsewhere is an error).
+            two elements per bfloat16 conversion (the same values; the default there, ``None``: 1.061 against
+            1.238 ms on an H200 at W81; ``True`` elsewhere is an error).
 
-    Returns:
-        ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``.
+    Returns ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``.
 
     Raises:
         QuantizationInputError: triton missing, ``h`` not bfloat16, operands of the wrong shape, unsupported
@@ -269,14 +270,13 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     if h.device.type != "cuda" and not interp:
         raise QuantizationInputError(f"gelu_quantize_rows_int8_lowrank: tensor on {h.device}; the kernel needs a "
                                      "CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-    q, scale = torch.empty((m, k), dtype=torch.int8, device=h.device), torch.empty((m, 1), device=h.device)
-    t = torch.empty((m, rank), dtype=torch.bfloat16, device=h.device)
+    q, scale, t = (torch.empty((m, k), dtype=torch.int8, device=h.device), torch.empty((m, 1), device=h.device),
+                   torch.empty((m, rank), dtype=torch.bfloat16, device=h.device))
     _check_given_max(row_max, inv_smooth, m)
     if row_max is not None and m:
         _launch_given_max(h, row_max, lora_down, (q, scale, t), (activation, c0, c1), interp, dict(
             block_m=block_m, block_k=block_k, num_warps=num_warps, portable_math=portable_math,
-            software_rounding=software_rounding,
-            packed_rounding=(not interp and h.device.type == "cuda") if packed_rounding is None else packed_rounding))
+            software_rounding=software_rounding, packed_rounding=packed_rounding))
     if row_max is not None or m == 0:
         return q, scale, t
     bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
