@@ -6,7 +6,11 @@ without peers. Prints per candidate both verdicts, medians and CI half-widths, t
 (noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
-    python benchmarks/bench/w17_stability.py [--time-budget 12] [--model wan2.1-t2v-1.3b]
+    python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
+
+Run A is the command line ``worldfoundry bench --model wan2.1-t2v-1.3b --random-weights --device cuda --dtype bf16
+--candidates recipes/candidates/wan2.1-1.3b-h200.json --peers --max-rounds 20`` (the file sets the time budget,
+6 s per candidate, and the width pool, 40 s).
 
 The summary is written after each run. ``--call-limit S`` (a device call's limit, e.g. 570) skips run B when run
 A leaves too little time for it. The two runs can also be made in two device calls: ``--runs a`` writes the
@@ -82,9 +86,11 @@ def record(summary: dict[str, Any], tag: str, res: dict[str, Any] | None, peers:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="wan2.1-t2v-1.3b")
-    p.add_argument("--time-budget", type=float, default=12.0)
-    p.add_argument("--width-pool", type=float, default=40.0,
-                        help="seconds the run may add to decided candidates still wider than 2%% (default 40)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of timing per candidate (default: the candidate file's timing.time_budget_s)")
+    p.add_argument("--width-pool", type=float, default=None,
+                   help="seconds the run may add to decided candidates still wider than 2%% (default: the "
+                        "candidate file's timing.width_pool_s)")
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--host-hold", type=float, default=None,
                    help="seconds each run may hold timed generations for a fast host phase (default: the bench's)")

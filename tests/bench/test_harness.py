@@ -190,6 +190,10 @@ def test_the_bench_compiles_fusion_kernels_before_first_fused_calls_and_restores
         (lambda d: d["workload"].update(seeds=[1, "2"]), "workload.seeds[1]: expected integer"),
         (lambda d: d.update(quality_budget={"psnr_db": "high"}), "quality_budget.psnr_db: expected number"),
         (lambda d: d.update(timing={"rounds": 2}), "timing.rounds: at least 3"),
+        (lambda d: d.update(timing={"time_budget_s": 0}), "timing.time_budget_s: must be a finite number in [0.1,"),
+        (lambda d: d.update(timing={"width_pool_s": -1.0}), "timing.width_pool_s: must be a finite number in [0,"),
+        (lambda d: d.update(timing={"width_pool_s": "lots"}), "timing.width_pool_s: expected number"),
+        (lambda d: d.update(timing={"budget": 6}), "timing.budget: unknown key; known: rounds, time_budget_s"),
         (lambda d: d["candidates"].append({"name": "b", "accelerations": {"exact_test": 3}}),
          "candidates[1].accelerations.exact_test: expected an options object"),
         (lambda d: d["candidates"].append(dict(d["candidates"][0])), "candidates[1].name: duplicate"),
@@ -202,6 +206,21 @@ def test_schema_errors_name_the_json_path(registry: AccelerationRegistry, mutate
     with pytest.raises(CandidateSchemaError) as info:
         parse_candidates(data, registry=registry)
     assert str(info.value).startswith(path), str(info.value)
+
+
+def test_the_file_s_time_budget_and_width_pool_apply_unless_the_command_line_sets_them(
+        registry: AccelerationRegistry) -> None:
+    data = {"workload": {"steps": 2, "seeds": [1]}, "timing": {"time_budget_s": 6, "width_pool_s": 40.5},
+            "candidates": [{"name": "a", "accelerations": {"exact_test": {}}}]}
+    cfile = parse_candidates(data, registry=registry)
+    assert (cfile.time_budget_s, cfile.width_pool_s) == (6.0, 40.5)
+    resolved = harness.with_file_timing(BenchConfig(), cfile)
+    assert (resolved.time_budget_s, resolved.width_pool_s) == (6.0, 40.5)
+    given = harness.with_file_timing(BenchConfig(time_budget_s=2.0, width_pool_s=0.0), cfile)
+    assert (given.time_budget_s, given.width_pool_s) == (2.0, 0.0)  # an explicit 0 turns the pool off
+    plain = harness.with_file_timing(BenchConfig(), parse_candidates(
+        {k: v for k, v in data.items() if k != "timing"}, registry=registry))
+    assert (plain.time_budget_s, plain.width_pool_s) == (harness.DEFAULT_TIME_BUDGET_S, 0.0)
 
 
 def test_schema_error_before_loading_anything(tmp_path: Path, registry: AccelerationRegistry, monkeypatch) -> None:

@@ -7,7 +7,7 @@ Schema (``docs/benchmarks.md`` documents it with an example)::
       "workload": {"prompt": str, "negative_prompt": str, "frames": int, "height": int, "width": int,
                    "steps": int, "guidance": number, "shift": number, "seeds": [int, ...]},
       "quality_budget": {"latent_rel_l2": number, "psnr_db": number, "min_ssim": number},   # optional
-      "timing": {"rounds": int},                                                          # optional
+      "timing": {"rounds": int, "time_budget_s": number, "width_pool_s": number},        # optional
       "candidates": [{"name": str, "accelerations": {plugin: {option: value} | true}, "notes": str}, ...]
     }
 
@@ -31,7 +31,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from worldfoundry.bench.candidate_options import shown, validate_plugin_options
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -82,6 +82,10 @@ class CandidateFile:
     description: str = ""
     source: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    #: the file's ``timing.time_budget_s`` / ``timing.width_pool_s``: what the run uses where the command line
+    #: does not say (``--time-budget`` / ``--width-pool``); ``None``: not set
+    time_budget_s: float | None = None
+    width_pool_s: float | None = None
 
     @property
     def seeds(self) -> list[int]:
@@ -190,13 +194,19 @@ def _parse_budget(data: Mapping[str, Any]) -> dict[str, float]:
     return budget
 
 
-def _parse_rounds(data: Mapping[str, Any]) -> int | None:
+#: Keys of ``timing`` and the bounds of its seconds (``time_budget_s`` must be positive).
+TIMING_KEYS: Final = ("rounds", "time_budget_s", "width_pool_s")
+MAX_TIMING_SECONDS: Final = 86_400.0
+
+
+def _parse_timing(data: Mapping[str, Any]) -> tuple[int | None, float | None, float | None]:
+    """``(rounds, time_budget_s, width_pool_s)`` of the file's ``timing`` (``None`` where not set)."""
     timing = data.get("timing", {})
     if not isinstance(timing, Mapping):
         raise CandidateSchemaError("timing", "expected object")
     for key in timing:
-        if key != "rounds":
-            raise CandidateSchemaError(f"timing.{key}", "unknown key; known: rounds")
+        if key not in TIMING_KEYS:
+            raise CandidateSchemaError(f"timing.{key}", f"unknown key; known: {', '.join(TIMING_KEYS)}")
     rounds = timing.get("rounds")
     if rounds is not None:
         _check_type("timing.rounds", rounds, int)
@@ -204,7 +214,13 @@ def _parse_rounds(data: Mapping[str, Any]) -> int | None:
             raise CandidateSchemaError("timing.rounds", f"at least 3 paired rounds are required, got {rounds}")
         if rounds > 10_000:
             raise CandidateSchemaError("timing.rounds", f"at most 10000 rounds, got {rounds}")
-    return rounds
+    seconds: list[float | None] = []
+    for key, low in (("time_budget_s", 0.1), ("width_pool_s", 0.0)):
+        value = timing.get(key)
+        if value is not None:
+            _bounded_number(f"timing.{key}", value, float, low, MAX_TIMING_SECONDS)
+        seconds.append(None if value is None else float(value))
+    return rounds, seconds[0], seconds[1]
 
 
 def _parse_candidate(i: int, cand: Any, names: set[str], registry: AccelerationRegistry) -> Candidate:
@@ -261,7 +277,7 @@ def parse_candidates(data: Any, *, registry: AccelerationRegistry, source: str |
     _check_type("description", description, str)
     workload = _parse_workload(data)
     budget = _parse_budget(data)
-    rounds = _parse_rounds(data)
+    rounds, time_budget_s, width_pool_s = _parse_timing(data)
     raw_candidates = data.get("candidates")
     if not isinstance(raw_candidates, list) or not raw_candidates:
         raise CandidateSchemaError("candidates", "expected a non-empty list")
@@ -269,7 +285,8 @@ def parse_candidates(data: Any, *, registry: AccelerationRegistry, source: str |
         raise CandidateSchemaError("candidates", f"at most {MAX_CANDIDATES} candidates, got {len(raw_candidates)}")
     names: set[str] = set()
     candidates = [_parse_candidate(i, cand, names, registry) for i, cand in enumerate(raw_candidates)]
-    return CandidateFile(model, workload, budget, rounds, tuple(candidates), description, source, dict(data))
+    return CandidateFile(model, workload, budget, rounds, tuple(candidates), description, source, dict(data),
+                         time_budget_s, width_pool_s)
 
 
 def _schema_path(path: str) -> str:

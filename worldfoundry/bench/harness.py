@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from tqdm.auto import tqdm
@@ -86,10 +86,13 @@ class BenchConfig:
     progress: bool = True
     target_halfwidth: float = 0.02
     max_rounds: int | None = None
-    time_budget_s: float = 60.0
+    #: seconds of timing per candidate; ``None``: the candidate file's ``timing.time_budget_s``, else
+    #: :data:`DEFAULT_TIME_BUDGET_S`
+    time_budget_s: float | None = None
     #: seconds the whole run may add, past their budgets, to candidates whose verdict is decided but whose CI is
-    #: still wider than ``target_halfwidth`` (:class:`~worldfoundry.bench.timing.WidthPool`; 0: none)
-    width_pool_s: float = 0.0
+    #: still wider than ``target_halfwidth`` (:class:`~worldfoundry.bench.timing.WidthPool`; 0: none); ``None``:
+    #: the candidate file's ``timing.width_pool_s``, else 0
+    width_pool_s: float | None = None
     #: seconds a run may spend holding timed generations for a fast host phase (:mod:`~worldfoundry.bench.host_gate`);
     #: ``None``: 60 on a GPU (host phases move a host-bound loop by up to 1.8x), 0 on the CPU (the whole
     #: generation is host time there, and the default run should stay near a minute)
@@ -149,6 +152,19 @@ class BenchPlan:
     unavailable: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
+#: Seconds of timing per candidate when neither the command line nor the candidate file says.
+DEFAULT_TIME_BUDGET_S: Final = 60.0
+
+
+def with_file_timing(config: BenchConfig, cfile: CandidateFile) -> BenchConfig:
+    """``config`` with its unset time budget and width pool taken from the candidate file (else the defaults): a
+    value given on the command line wins."""
+    budget = config.time_budget_s if config.time_budget_s is not None else cfile.time_budget_s
+    pool = config.width_pool_s if config.width_pool_s is not None else cfile.width_pool_s
+    return replace(config, time_budget_s=DEFAULT_TIME_BUDGET_S if budget is None else budget,
+                   width_pool_s=0.0 if pool is None else pool)
+
+
 def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
                announce: Callable[[str], None] | None = None) -> BenchPlan:
     """Validate everything a run needs — candidate file, recipe, workload against the recipe, CLI values — without
@@ -191,6 +207,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     """
     registry = registry if registry is not None else diffusion_acceleration_registry()
     plan = plan_bench(config, registry=registry, announce=announce)
+    config = with_file_timing(config, plan.cfile)
     candidates_path, cfile, model, seeds, rounds = (plan.candidates_path, plan.cfile, plan.choice.model, plan.seeds,
                                                     plan.rounds)
     _timing_policy(config, rounds)  # bad timing options fail here, before a model is built
@@ -353,10 +370,12 @@ def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> Timing
     """The candidates' policy; with the step floor every seed is timed at least twice (its CI needs two rounds) and
     every candidate at least :data:`~worldfoundry.bench.floor.MIN_ROUNDS` times."""
     least = max(3, rounds, max(2 * n_seeds, FLOOR_MIN_ROUNDS) if config.estimator == "step_floor" else 0)
+    budget = DEFAULT_TIME_BUDGET_S if config.time_budget_s is None else config.time_budget_s
+    pool = config.width_pool_s or 0.0
     return TimingPolicy(min_rounds=least, max_rounds=max(least, config.max_rounds or 4 * rounds),
-                        target_halfwidth=config.target_halfwidth, budget_s=config.time_budget_s,
+                        target_halfwidth=config.target_halfwidth, budget_s=budget,
                         estimator=config.estimator, max_noise_floor=config.max_noise_floor,
-                        width_pool=WidthPool(config.width_pool_s) if config.width_pool_s > 0 else None)
+                        width_pool=WidthPool(pool) if pool > 0 else None)
 
 
 def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:

@@ -51,11 +51,13 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
                    help="speedup estimate: per-step minimum times over rounds (default), or the median of "
                         "per-round ratios; both are written to results.json")
     p.add_argument("--max-rounds", type=int, default=None, help="never more paired rounds than this (default 4x)")
-    p.add_argument("--time-budget", type=float, default=60.0,
-                   help="seconds of timing per candidate after which no rounds are added (default 60)")
-    p.add_argument("--width-pool", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of timing per candidate after which no rounds are added (default: the candidate "
+                        "file's timing.time_budget_s, else 60)")
+    p.add_argument("--width-pool", type=float, default=None, metavar="SECONDS",
                    help="seconds the run may add, past their time budgets, to candidates whose verdict is decided "
-                        "but whose CI is wider than --target-halfwidth (default 0: none)")
+                        "but whose CI is wider than --target-halfwidth (default: the candidate file's "
+                        "timing.width_pool_s, else 0: none)")
     p.add_argument("--host-hold", type=float, default=None, metavar="SECONDS",
                    help="seconds a run may wait, in total, before timed generations for the host to leave a slow "
                         "phase (default 60 on a GPU, 0 = off on the CPU)")
@@ -87,8 +89,8 @@ def peer_names(values: list[str] | None) -> list[str] | None:
     return names or ["all"]
 
 
-def _width_pool(seconds: float) -> float:
-    if not seconds >= 0:
+def _width_pool(seconds: float | None) -> float | None:
+    if seconds is not None and not seconds >= 0:
         raise CommandLineError("--width-pool", f"must be >= 0 seconds, got {seconds}")
     return seconds
 
