@@ -9,20 +9,22 @@ from typing import Any
 import torch
 
 
-def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``reps`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def _median_per_call(run: Callable[[], Any], reps: int, calls: int) -> float:
+    """Median over ``reps`` samples of the CUDA-event time of ``run`` (synchronised after each) per call it makes."""
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(start.elapsed_time(end) / calls)
     return statistics.median(samples)
+
+
+def time_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
+    return time_ms_queued(fn, warmup, reps, 1)
 
 
 def time_ms_queued(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> float:
@@ -32,16 +34,12 @@ def time_ms_queued(fn: Callable[[], Any], warmup: int, reps: int, burst: int) ->
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def run() -> None:
         for _ in range(burst):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / burst)
-    return statistics.median(samples)
+
+    return _median_per_call(run, reps, burst)
 
 
 def time_ms_graph(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> float:
@@ -60,13 +58,7 @@ def time_ms_graph(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> 
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / burst)
-    del graph
-    return statistics.median(samples)
+    try:
+        return _median_per_call(graph.replay, reps, burst)
+    finally:
+        del graph

@@ -15,7 +15,8 @@ runs ``--repeats`` times:
 * every repeat bitwise equal to the first (a launch shape with a race differs between runs).
 
 Then the shape is timed (CUDA events, median): ``ms`` one synchronised call per sample (the host's launch
-latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone). Writes ``<out>/int8_lowrank_check.json``.
+latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone).
+Writes ``<out>/int8_lowrank_check.json``.
 
     python benchmarks/kernels/int8_lowrank_check.py --out "$OUT"     # about two minutes on an H200
 """

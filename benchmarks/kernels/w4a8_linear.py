@@ -31,13 +31,15 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
 launches, median; the order rotates by one variant per block, since two rows of the same code differed by 5-15 %
-when one always ran right after the bf16 anchor), and a variant's ratio to bf16 is taken *within* each block; the report gives the median ratio
-over blocks and its range. Each sample is timed four ways side by side (``--timing``, :data:`TIMERS`): one
-synchronised call (the host's launch latency before the first kernel counts: the W4A8 Linear issues two kernels
-and more Python than ``F.linear``), one call replayed from a CUDA graph (no host latency, the same idle gap), a
-burst of back-to-back calls (as in a device-bound forward, where the host runs ahead) and a CUDA graph of the
-burst (the GPU's time alone). Operands: Gaussian activations and weights, random smoothing and factors (speed only;
-the numerics are tested in the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
+when one always ran right after the bf16 anchor), and a variant's ratio to bf16 is taken *within* each block; the
+report gives the median ratio over blocks and its range. Each sample is timed four ways side by side (``--timing``,
+:data:`TIMERS`): one synchronised call (the host's launch latency before the first kernel counts: the W4A8 Linear
+issues two kernels and more Python than ``F.linear``), one call replayed from a CUDA graph (no host latency, the
+same idle gap), a burst of back-to-back calls (as in a device-bound forward, where the host runs ahead) and a CUDA
+graph of the burst (the GPU's time alone).
+
+Operands: Gaussian activations and weights, random smoothing and factors (speed only; the numerics are tested in
+the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
 
     python benchmarks/kernels/w4a8_linear.py --out "$OUT"      # about a minute on an H200
 """
