@@ -1,8 +1,8 @@
 """W17 on one GPU, twice in one process: noise floor, CI half-width, verdict stability and the peer rows.
 
 Run A: ``worldfoundry bench`` on ``recipes/candidates/wan2.1-1.3b-h200.json`` with ``--peers`` (eager,
-regional torch.compile, FirstBlockCache; cache-dit/torchao when installed). Run B: the same candidates again
-without peers. Prints per candidate both verdicts, medians and CI half-widths, then the goal checks
+regional torch.compile, FirstBlockCache; cache-dit/torchao when installed; ``--peers compile fbcache`` picks).
+Run B: the same candidates again without peers (``--peers-in-b``: with run A's). Prints per candidate both verdicts, medians and CI half-widths, then the goal checks
 (noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
@@ -31,6 +31,7 @@ from typing import Any
 from worldfoundry.bench.harness import BenchConfig, run_bench
 from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
+from worldfoundry.bench.peers import KNOWN_PEERS
 from worldfoundry.core.model_loading.recipes import project_root
 
 CANDIDATES = project_root() / "recipes" / "candidates" / "wan2.1-1.3b-h200.json"
@@ -47,7 +48,7 @@ def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | N
     except Exception:  # one failed run must not hide the other
         print(f"run {name} FAILED:\n{traceback.format_exc()}")
         return None
-    results["wall_s"] = time.perf_counter() - t0
+    results["run_wall_s"] = time.perf_counter() - t0  # the bench's own wall_s splits it into phases
     return results
 
 
@@ -67,20 +68,22 @@ def record(summary: dict[str, Any], tag: str, res: dict[str, Any] | None, peers:
     summary["runs"][tag] = {"noise_floor": res["noise_floor"], "noisy_host": res.get("noisy_host"),
                             "decision_threshold": res.get("decision_threshold"),
                             "control_halfwidth": res["dense"]["control"].get("halfwidth"),
-                            "wall_s": res["wall_s"], "host_speed": res.get("host_speed"),
+                            "wall_s": res["run_wall_s"], "phases_s": res.get("wall_s"),
+                            "host_speed": res.get("host_speed"),
                             "host_gate": res.get("host_gate")}
     for c in res["candidates"]:
         summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
     if peers:
-        summary["peers"] = []
+        key = "peers" if tag == "a" else f"peers_{tag}"
+        summary[key] = []
         for peer in res.get("peers", []):
             sp = peer.get("speed") or {}
-            summary["peers"].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
+            summary[key].append({"name": peer["name"], "status": peer.get("reason") or peer.get("error") or
                                      peer["verdict"], "median": sp.get("speedup"),
                                      "halfwidth": sp.get("halfwidth"), "warmup_s": peer.get("warmup_s"),
                                      "rel_l2": peer.get("latent_rel_l2")})
     (out / "w17_stability.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"run {tag} done in {res['wall_s']:.0f} s; summary written", flush=True)
+    print(f"run {tag} done in {res['run_wall_s']:.0f} s; summary written", flush=True)
 
 
 def main() -> int:
@@ -101,6 +104,9 @@ def main() -> int:
                         "command for it printed, when run A leaves less than 1.1 x its own wall")
     p.add_argument("--no-peers", action="store_true", help="run A without the peer rows (both runs then time "
                                                             "the same candidates only)")
+    p.add_argument("--peers", nargs="+", default=list(KNOWN_PEERS), choices=KNOWN_PEERS,
+                   help="the peer rows of run A (default all five; the goal names compile and fbcache)")
+    p.add_argument("--peers-in-b", action="store_true", help="run B with the same peer rows as run A")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -110,16 +116,18 @@ def main() -> int:
     summary: dict[str, Any] = {"candidates": {}, "peers": [], "runs": {}}
     if args.previous:
         summary = json.loads(Path(args.previous).read_text(encoding="utf-8"))
-    peers = None if args.no_peers else ["eager", "compile", "fbcache", "dbcache", "float8"]
+    peers = None if args.no_peers else list(args.peers)
     started = time.perf_counter()
     a = one_run("w17a", out, args, peers) if "a" in runs else None
     record(summary, "a", a, peers, out)
-    if "b" in runs and a and args.call_limit and args.call_limit - (time.perf_counter() - started) < 1.1 * a["wall_s"]:
-        print(f"run B skipped: {args.call_limit - (time.perf_counter() - started):.0f} s left of --call-limit, run A "
-              f"took {a['wall_s']:.0f} s (run B alone: --runs b --previous {out / 'w17_stability.json'})")
+    left = args.call_limit - (time.perf_counter() - started) if args.call_limit else None
+    if "b" in runs and a and left is not None and left < 1.1 * a["run_wall_s"]:
+        print(f"run B skipped: {left:.0f} s left of --call-limit, run A "
+              f"took {a['run_wall_s']:.0f} s (run B alone: --runs b --previous {out / 'w17_stability.json'})")
         runs.discard("b")
-    b = one_run("w17b", out, args, None) if "b" in runs else None
-    record(summary, "b", b, None, out)
+    peers_b = peers if args.peers_in_b else None
+    b = one_run("w17b", out, args, peers_b) if "b" in runs else None
+    record(summary, "b", b, peers_b, out)
     print(f"\n{'candidate':28} {'verdict A':26} {'med A':>7} {'hw A':>10} | {'verdict B':26} {'med B':>7} {'hw B':>10}")
     same = True
     for name, runs in summary["candidates"].items():
@@ -139,6 +147,9 @@ def main() -> int:
     widths = [float(row[2].split("%")[0]) / 100 for runs in summary["candidates"].values() for row in runs.values()
               if row[2] != "-"]
     print(f"candidate rows with a CI half-width <= 2%: {sum(w <= 0.02 for w in widths)} of {len(widths)}")
+    walls = {tag: run["wall_s"] for tag, run in summary["runs"].items()}
+    print("runs within 5 minutes: " + ", ".join(f"{tag} {wall:.0f} s {'yes' if wall <= 300 else 'no'}"
+                                                 for tag, wall in walls.items()))
     return 0
 
 
