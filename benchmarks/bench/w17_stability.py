@@ -2,8 +2,9 @@
 
 Run A: ``worldfoundry bench`` on ``recipes/candidates/wan2.1-1.3b-h200.json`` with ``--peers`` (eager,
 regional torch.compile, FirstBlockCache; cache-dit/torchao when installed; ``--peers compile fbcache`` picks).
-Run B: the same candidates again without peers (``--peers-in-b``: with run A's). Prints per candidate both verdicts, medians and CI half-widths, then the goal checks
-(noise floor <= 1.02, half-width <= 2%, same verdicts); writes ``$OUT/w17_stability.json`` (default
+Run B: the same candidates again without peers (``--peers-in-b``: with run A's). Prints per candidate both
+verdicts, medians and CI half-widths, then the goal checks (noise floor <= 1.02, half-width <= 2%, same
+verdicts, each run within 5 minutes); writes ``$OUT/w17_stability.json`` (default
 ``./bench_out``) with both runs' outputs under ``$OUT/w17a`` and ``$OUT/w17b``.
 
     python benchmarks/bench/w17_stability.py [--time-budget 6] [--model wan2.1-t2v-1.3b]
