@@ -14,6 +14,7 @@ runs ``--repeats`` times:
   they sit;
 * every repeat bitwise equal to the first (a launch shape with a race differs between runs).
 
+``--stages 2 4`` also runs the quantizer's shapes at those pipelining depths; ``--widths 1536`` one width.
 Then the shape is timed (CUDA events, median): ``ms`` one synchronised call per sample (the host's launch
 latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone).
 Writes ``<out>/int8_lowrank_check.json``.
@@ -91,6 +92,8 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
         launches = SHAPES + [{}]
         if name == "gelu_single_pass":  # each shape both ways: two elements per bfloat16 conversion, and one
             launches = [dict(launch, packed_rounding=packed) for packed in (True, False) for launch in launches]
+        if name == "quant_lowrank" and args.stages:  # and each shape at other pipelining depths
+            launches += [dict(launch, num_stages=st) for st in args.stages for launch in SHAPES]
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in launches]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in
@@ -109,9 +112,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--kernels", nargs="+", default=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"],
                    choices=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"])
+    p.add_argument("--stages", nargs="*", type=int, default=[],
+                   help="quant_lowrank: also every shape at these num_stages (triton's default is 3)")
+    p.add_argument("--widths", nargs="+", type=int, default=[1536, 8960], help="row widths K (default both)")
     args = p.parse_args()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "widths": {}}
-    for k in (1536, 8960):
+    for k in args.widths:
         result["widths"][str(k)] = width_section(k, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_lowrank_check.json").write_text(json.dumps(result, indent=2))
