@@ -270,8 +270,8 @@ def triton_gelu_quantize_rows_int8_lowrank(h: torch.Tensor, approximate: str, in
     if h.device.type != "cuda" and not interp:
         raise QuantizationInputError(f"gelu_quantize_rows_int8_lowrank: tensor on {h.device}; the kernel needs a "
                                      "CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-    q, scale, t = (torch.empty((m, k), dtype=torch.int8, device=h.device), torch.empty((m, 1), device=h.device),
-                   torch.empty((m, rank), dtype=torch.bfloat16, device=h.device))
+    q, scale, t = (torch.empty((m, n), dtype=dt, device=h.device)
+                   for n, dt in ((k, torch.int8), (1, torch.float32), (rank, torch.bfloat16)))
     _check_given_max(row_max, inv_smooth, m)
     if row_max is not None and m:
         _launch_given_max(h, row_max, lora_down, (q, scale, t), (activation, c0, c1), interp, dict(

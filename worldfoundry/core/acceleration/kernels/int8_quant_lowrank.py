@@ -210,8 +210,8 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
         QuantizationInputError: triton missing or operands of the wrong shape/dtype.
     """
     m, k, rank = check_quant_lowrank_operands(x2d, inv_smooth, lora_down)
-    q, scale = torch.empty((m, k), dtype=torch.int8, device=x2d.device), torch.empty((m, 1), device=x2d.device)
-    t = torch.empty((m, rank), dtype=torch.bfloat16, device=x2d.device)
+    q, t = (torch.empty((m, n), dtype=dt, device=x2d.device) for n, dt in ((k, torch.int8), (rank, torch.bfloat16)))
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     if m == 0:
         return q, scale, t
     if single_pass is None:
