@@ -14,7 +14,8 @@ runs ``--repeats`` times:
   they sit;
 * every repeat bitwise equal to the first (a launch shape with a race differs between runs).
 
-``--stages 2 4`` also runs the quantizer's shapes at those pipelining depths; ``--widths 1536`` one width.
+``--stages 2 4`` also runs the quantizer's shapes at those pipelining depths, ``--programs 132 264`` with that
+many programs walking the row blocks; ``--widths 1536`` one width.
 Then the shape is timed (CUDA events, median): ``ms`` one synchronised call per sample (the host's launch
 latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone).
 Writes ``<out>/int8_lowrank_check.json``.
@@ -94,6 +95,8 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
             launches = [dict(launch, packed_rounding=packed) for packed in (True, False) for launch in launches]
         if name == "quant_lowrank" and args.stages:  # and each shape at other pipelining depths
             launches += [dict(launch, num_stages=st) for st in args.stages for launch in SHAPES]
+        if name == "quant_lowrank" and args.programs:  # and each shape with fewer programs walking row blocks
+            launches += [dict(launch, programs=n) for n in args.programs for launch in SHAPES]
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in launches]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in
@@ -115,6 +118,9 @@ def main() -> None:
     p.add_argument("--stages", nargs="*", type=int, default=[],
                    help="quant_lowrank: also every shape at these num_stages (triton's default is 3)")
     p.add_argument("--widths", nargs="+", type=int, default=[1536, 8960], help="row widths K (default both)")
+    p.add_argument("--programs", nargs="*", type=int, default=[],
+                   help="quant_lowrank: also every shape with this many programs walking the row blocks "
+                        "(e.g. 132 264: one or two per H200 SM)")
     args = p.parse_args()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "widths": {}}
     for k in args.widths:

@@ -34,6 +34,21 @@ def test_codes_bitwise_and_lowrank_within_one_ulp(m, k, smooth, single):
     assert (t.float() - t_ref).abs().max() <= 2**-7 * t_ref.abs().max()
 
 
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_fewer_programs_walking_row_blocks_give_the_same_bytes(programs):
+    """``programs`` below the block count: each program walks blocks ``pid, pid + P, ...`` (ragged last block
+    included); every output is bitwise the one-program-per-block launch's."""
+    g = torch.Generator().manual_seed(programs)
+    x = (torch.randn(83, 192, generator=g) * 2).to(torch.bfloat16)
+    inv = torch.rand(192, generator=g) + 0.5
+    down = (torch.randn(16, 192, generator=g) * 0.1).to(torch.bfloat16)
+    plain = triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False)
+    walked = triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False, programs=programs)
+    assert all(torch.equal(a, b) for a, b in zip(plain, walked))
+    staged = triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False, num_stages=2)
+    assert all(torch.equal(a, b) for a, b in zip(plain, staged))
+
+
 @pytest.mark.parametrize("group", [0, 64])
 def test_w4a8_linear_through_the_fused_path(group):
     g = torch.Generator().manual_seed(9)

@@ -126,13 +126,14 @@ def test_per_channel_w4a8_with_activation_groups_keeps_int8_wgmma_on_sm90(swap):
     assert "warp_group_dot" in body and re.search(r"arith\.(mulf|sitofp)", body)  # the per-step scaling
 
 
-def _quant_lowrank_kernel(block_m: int, **options):
+def _quant_lowrank_kernel(block_m: int, persistent: bool = False, **options):
     from worldfoundry.core.acceleration.kernels import int8_quant_lowrank
 
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
            "M": "i32", "K": "i32", "stride_xm": "i32",
-           **dict.fromkeys(["RANK", "HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "WIDEN"], "constexpr")}
-    consts = {"RANK": 32, "HAS_SMOOTH": True, "BLOCK_M": block_m, "BLOCK_K": 256, "WIDEN": False}
+           **dict.fromkeys(["RANK", "HAS_SMOOTH", "BLOCK_M", "BLOCK_K", "WIDEN", "PERSISTENT"], "constexpr")}
+    consts = {"RANK": 32, "HAS_SMOOTH": True, "BLOCK_M": block_m, "BLOCK_K": 256, "WIDEN": False,
+              "PERSISTENT": persistent}
     return triton.compile(ASTSource(fn=int8_quant_lowrank._int8_lowrank_kernel, signature=sig, constexprs=consts,
                                     attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
                           target=HOPPER, options={"num_warps": 8, "enable_fp_fusion": False, **options})
@@ -146,9 +147,10 @@ def test_fused_quant_lowrank_stages_trade_shared_memory_for_depth():
     assert "cp.async" in two.asm["ptx"]
 
 
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m):
-    ptx = _quant_lowrank_kernel(block_m).asm["ptx"]
+@pytest.mark.parametrize("block_m,persistent", [(16, False), (32, False), (64, False), (16, True), (64, True)])
+def test_fused_quant_lowrank_kernel_compiles_for_sm90_without_fma(block_m, persistent):
+    ptx = _quant_lowrank_kernel(block_m, persistent).asm["ptx"]
+    assert "cp.async" in ptx  # the chunk loads pipelined, also inside the walk over row blocks
     assert "fma.rn.f32" not in ptx  # x * rcp rounds before the rounding addition
     assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)  # the low-rank dot on tensor cores
     assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)  # codes from the float's bits, no conversion

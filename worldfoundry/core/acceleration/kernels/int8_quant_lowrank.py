@@ -57,8 +57,20 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _int8_lowrank_kernel(x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm, RANK: tl.constexpr,
                              HAS_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             WIDEN: tl.constexpr):
-        pid = tl.program_id(0)
+                             WIDEN: tl.constexpr, PERSISTENT: tl.constexpr = False):
+        if PERSISTENT:  # fewer programs than row blocks, each walking blocks pid, pid + P, ...
+            for blk in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+                _int8_lowrank_block(blk, x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm, RANK,
+                                    HAS_SMOOTH, BLOCK_M, BLOCK_K, WIDEN)
+        else:
+            _int8_lowrank_block(tl.program_id(0), x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm, RANK,
+                                HAS_SMOOTH, BLOCK_M, BLOCK_K, WIDEN)
+
+    @triton.jit
+    def _int8_lowrank_block(pid, x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm, RANK: tl.constexpr,
+                            HAS_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            WIDEN: tl.constexpr):
+        """Rows ``pid * BLOCK_M ..`` in two passes: row maxima and ``t``, then the codes."""
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         row_base = rows.to(tl.int64) * stride_xm
@@ -181,7 +193,7 @@ def _check_single_pass(k: int, block_m: int, rank: int) -> None:
 def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.Tensor,
                                       *, block_m: int | None = None, block_k: int | None = None,
                                       single_pass: bool | None = None, num_warps: int | None = None,
-                                      num_stages: int | None = None
+                                      num_stages: int | None = None, programs: int | None = None
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT8 codes, scales and ``t = bf16(x) @ D.T`` of ``x2d`` in one kernel.
 
@@ -201,6 +213,10 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
         num_stages: software-pipelining depth of the two-pass form's chunk loop (default triton's, 3; the
             default launch shape then takes 115,712 bytes of shared memory, two programs per H200 SM; 2 stages:
             66,560 bytes, three programs). Same results.
+        programs: the two-pass form with at most this many programs, each walking row blocks ``pid, pid + P, ...``
+            (default one program per block). With about one program per SM, the rows a program reads in its
+            first pass can still be in the L2 cache for its second (at K 8,960 the default grid keeps more rows in
+            flight than the L2 holds). Same results.
 
     Returns:
         ``(q int8 [M, K], scale float32 [M, 1], t bfloat16 [M, r])``; ``q`` and ``scale`` bitwise the reference
@@ -227,17 +243,27 @@ def triton_quantize_rows_int8_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tenso
             enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
         )
         return q, scale, t
-    interp = interpreter_enabled()
-    bm = block_m or (16 if interp else DEFAULT_BLOCK_M)
-    bk = block_k or (64 if interp else DEFAULT_BLOCK_K)
-    warps = num_warps or (4 if interp else DEFAULT_WARPS)
-    _int8_lowrank_kernel[(triton.cdiv(m, bm),)](
+    _launch_two_pass(x2d, inv_smooth, lora_down, (q, scale, t), dict(
+        block_m=block_m, block_k=block_k, num_warps=num_warps, num_stages=num_stages, programs=programs))
+    return q, scale, t
+
+
+def _launch_two_pass(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.Tensor, outs: tuple,
+                     launch: dict) -> None:
+    """The two-pass kernel (launch values ``None``: its defaults; the interpreter's are small)."""
+    (q, scale, t), (m, k), interp = outs, x2d.shape, interpreter_enabled()
+    bm = launch["block_m"] or (16 if interp else DEFAULT_BLOCK_M)
+    blocks, programs = triton.cdiv(m, bm), launch["programs"]
+    persistent = programs is not None and 0 < programs < blocks
+    stages = launch["num_stages"]
+    _int8_lowrank_kernel[(programs if persistent else blocks,)](
         x2d, inv_smooth if inv_smooth is not None else scale, lora_down, q, scale, t, m, k, x2d.stride(0),
-        RANK=rank, HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm, BLOCK_K=bk, WIDEN=x2d.device.type != "cuda",
-        num_warps=warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        RANK=lora_down.shape[0], HAS_SMOOTH=inv_smooth is not None, BLOCK_M=bm,
+        BLOCK_K=launch["block_k"] or (64 if interp else DEFAULT_BLOCK_K), WIDEN=x2d.device.type != "cuda",
+        PERSISTENT=persistent, num_warps=launch["num_warps"] or (4 if interp else DEFAULT_WARPS),
+        **({} if stages is None else {"num_stages": stages}),
         enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
     )
-    return q, scale, t
 
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "DEFAULT_WARPS", "SINGLE_PASS_BLOCK_M", "SINGLE_PASS_MAX_K",
