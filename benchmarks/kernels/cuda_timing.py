@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,3 +63,16 @@ def time_ms_graph(fn: Callable[[], Any], warmup: int, reps: int, burst: int) -> 
         return _median_per_call(graph.replay, reps, burst)
     finally:
         del graph
+
+
+def host_issue_us(fn: Callable[[], Any], reps: int) -> float:
+    """Median microseconds the host spends in one call of ``fn`` with the GPU idle before it (synchronised first):
+    the latency a synchronised sample adds before the first kernel starts, plus issuing the rest."""
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)

@@ -36,7 +36,8 @@ report gives the median ratio over blocks and its range. Each sample is timed fo
 :data:`TIMERS`): one synchronised call (the host's launch latency before the first kernel counts: the W4A8 Linear
 issues two kernels and more Python than ``F.linear``), one call replayed from a CUDA graph (no host latency, the
 same idle gap), a burst of back-to-back calls (as in a device-bound forward, where the host runs ahead) and a CUDA
-graph of the burst (the GPU's time alone).
+graph of the burst (the GPU's time alone). ``host_issue_us``: the host's time in one call (after a
+synchronisation), the latency a synchronised sample carries.
 
 Operands: Gaussian activations and weights, random smoothing and factors (speed only; the numerics are tested in
 the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
@@ -55,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from cuda_timing import time_ms, time_ms_graph, time_ms_queued
+from cuda_timing import host_issue_us, time_ms, time_ms_graph, time_ms_queued
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
@@ -214,13 +215,16 @@ def _rows(per_block: dict[str, list[float]]) -> dict[str, Any]:
 def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str]) -> dict[str, Any]:
     fns, ran = variants(k, n) if k else ffn_variants()
     per_block = {method: {name: [] for name in fns} for method in timings}
+    host = {name: [] for name in fns}
     names = list(fns)
     for block in range(blocks):  # the order rotates from block to block: no variant always follows the anchor
         for name in names[block % len(names):] + names[:block % len(names)]:
             for method in timings:
                 per_block[method][name].append(TIMERS[method](fns[name], reps))
+            host[name].append(host_issue_us(fns[name], 5))
     return {"M": M_TOKENS, "K": k, "N": n, "backend_ran": ran,
-            "timing": {method: _rows(per_block[method]) for method in timings}}
+            "timing": {method: _rows(per_block[method]) for method in timings},
+            "host_issue_us": {name: statistics.median(v) for name, v in host.items()}}
 
 
 def main() -> None:
@@ -242,6 +246,7 @@ def main() -> None:
     (out / "w4a8_linear.json").write_text(json.dumps(report, indent=1))
     for key, sec in report["shapes"].items():
         print(key, "ran:", sec["backend_ran"])
+        print("  host issue time per call (us):", {n: round(v) for n, v in sec["host_issue_us"].items()})
         for method, rows in sec["timing"].items():
             print(f" timing {method}")
             for name, row in rows.items():
