@@ -37,7 +37,9 @@ report gives the median ratio over blocks and its range. Each sample is timed fo
 issues two kernels and more Python than ``F.linear``), one call replayed from a CUDA graph (no host latency, the
 same idle gap), a burst of back-to-back calls (as in a device-bound forward, where the host runs ahead) and a CUDA
 graph of the burst (the GPU's time alone). ``host_issue_us``: the host's time in one call (after a
-synchronisation), the latency a synchronised sample carries.
+synchronisation), the latency a synchronised sample carries. ``--power-probe S``: the up projection's bf16 and
+W4A8 Linears run isolated and sustained for ``S`` seconds each with the SM clock and board power logged
+(:mod:`power_probe`), to tell whether back-to-back bf16 GEMMs slow down because the clocks drop.
 
 Operands: Gaussian activations and weights, random smoothing and factors (speed only; the numerics are tested in
 the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from cuda_timing import host_issue_us, time_ms, time_ms_graph, time_ms_queued
+from power_probe import probe
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
@@ -235,6 +238,9 @@ def main() -> None:
     parser.add_argument("--ffn", action="store_true", help="also time the whole FFN (section 'ffn')")
     parser.add_argument("--timing", nargs="+", choices=sorted(TIMERS), default=["synced", "graph1", "queued", "graph"],
                         help="how samples are timed (TIMERS; default all four, side by side)")
+    parser.add_argument("--power-probe", type=float, default=0.0, metavar="SECONDS",
+                        help="also run the up projection's bf16 and W4A8 Linears isolated and sustained for this many "
+                             "seconds each, logging SM clock and power (power_probe.py; section 'power')")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,6 +249,12 @@ def main() -> None:
         shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps, args.timing)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
               "reps": args.reps, "burst": BURST, "commit": os.environ.get("COMMIT"), "shapes": shapes}
+    if args.power_probe > 0:
+        fns = variants(*SHAPES[0])[0]
+        report["power"] = probe({name: fns[name] for name in ("bf16_linear_bias", "svdquant_linear", "gemm_only")},
+                                seconds=args.power_probe, burst=BURST)
+        for name, regimes in report["power"].items():
+            print("power", name, regimes)
     (out / "w4a8_linear.json").write_text(json.dumps(report, indent=1))
     for key, sec in report["shapes"].items():
         print(key, "ran:", sec["backend_ran"])
