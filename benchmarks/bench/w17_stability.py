@@ -11,7 +11,8 @@ verdicts, each run within 5 minutes); writes ``$OUT/w17_stability.json`` (defaul
 
 Run A is the command line ``worldfoundry bench --model wan2.1-t2v-1.3b --random-weights --device cuda --dtype bf16
 --candidates recipes/candidates/wan2.1-1.3b-h200.json --peers --max-rounds 20`` (the file sets the time budget,
-6 s per candidate, and the width pool, 40 s).
+6 s per candidate, the width pool, 40 s, and the run budget, 280 s: rounds past a budget and host waits stop
+where the rest of the run would no longer fit).
 
 The summary is written after each run. ``--call-limit S`` (a device call's limit, e.g. 570) skips run B when run
 A leaves too little time for it. The two runs can also be made in two device calls: ``--runs a`` writes the
@@ -45,7 +46,7 @@ def one_run(name: str, out: Path, args: argparse.Namespace, peers: list[str] | N
             model=args.model, candidates=str(CANDIDATES), out=str(out / name), device="cuda", dtype="bf16",
             random_weights=True, rounds=3, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
             target_halfwidth=0.02, peers=peers, progress=False, host_hold_s=args.host_hold,
-            width_pool_s=args.width_pool))
+            width_pool_s=args.width_pool, run_budget_s=args.run_budget))
     except Exception:  # one failed run must not hide the other
         print(f"run {name} FAILED:\n{traceback.format_exc()}")
         return None
@@ -95,6 +96,8 @@ def main() -> int:
     p.add_argument("--width-pool", type=float, default=None,
                    help="seconds the run may add to decided candidates still wider than 2%% (default: the "
                         "candidate file's timing.width_pool_s)")
+    p.add_argument("--run-budget", type=float, default=None,
+                   help="seconds each run may take in all (default: the candidate file's timing.run_budget_s)")
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--host-hold", type=float, default=None,
                    help="seconds each run may hold timed generations for a fast host phase (default: the bench's)")

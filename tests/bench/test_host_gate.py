@@ -44,7 +44,7 @@ def test_a_fast_host_is_never_held() -> None:
     gate, host = _gate([1.1, 1.0, 1.2])
     assert gate.wait() == pytest.approx(1.1)  # the median of three probes
     assert gate.to_json() == {"budget_s": 60.0, "max_wait_s": 3.0, "tolerance": 0.25, "reference_ms": 1.0,
-                              "checks": 1, "held": 0, "waited_s": 0.0, "gave_up": 0}
+                              "checks": 1, "held": 0, "waited_s": 0.0, "gave_up": 0, "limited": 0}
     assert host.slept == 0
 
 

@@ -7,7 +7,8 @@ Schema (``docs/benchmarks.md`` documents it with an example)::
       "workload": {"prompt": str, "negative_prompt": str, "frames": int, "height": int, "width": int,
                    "steps": int, "guidance": number, "shift": number, "seeds": [int, ...]},
       "quality_budget": {"latent_rel_l2": number, "psnr_db": number, "min_ssim": number},   # optional
-      "timing": {"rounds": int, "time_budget_s": number, "width_pool_s": number},        # optional
+      "timing": {"rounds": int, "time_budget_s": number, "width_pool_s": number,          # optional
+                 "run_budget_s": number},
       "candidates": [{"name": str, "accelerations": {plugin: {option: value} | true}, "notes": str}, ...]
     }
 
@@ -82,10 +83,11 @@ class CandidateFile:
     description: str = ""
     source: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
-    #: the file's ``timing.time_budget_s`` / ``timing.width_pool_s``: what the run uses where the command line
-    #: does not say (``--time-budget`` / ``--width-pool``); ``None``: not set
+    #: the file's ``timing.time_budget_s`` / ``timing.width_pool_s`` / ``timing.run_budget_s``: what the run uses
+    #: where the command line does not say (``--time-budget`` / ``--width-pool`` / ``--run-budget``); ``None``: not set
     time_budget_s: float | None = None
     width_pool_s: float | None = None
+    run_budget_s: float | None = None
 
     @property
     def seeds(self) -> list[int]:
@@ -194,13 +196,13 @@ def _parse_budget(data: Mapping[str, Any]) -> dict[str, float]:
     return budget
 
 
-#: Keys of ``timing`` and the bounds of its seconds (``time_budget_s`` must be positive).
-TIMING_KEYS: Final = ("rounds", "time_budget_s", "width_pool_s")
+#: Keys of ``timing`` and the bounds of its seconds (``time_budget_s`` and ``run_budget_s`` must be positive).
+TIMING_KEYS: Final = ("rounds", "time_budget_s", "width_pool_s", "run_budget_s")
 MAX_TIMING_SECONDS: Final = 86_400.0
 
 
-def _parse_timing(data: Mapping[str, Any]) -> tuple[int | None, float | None, float | None]:
-    """``(rounds, time_budget_s, width_pool_s)`` of the file's ``timing`` (``None`` where not set)."""
+def _parse_timing(data: Mapping[str, Any]) -> tuple[int | None, float | None, float | None, float | None]:
+    """``(rounds, time_budget_s, width_pool_s, run_budget_s)`` of the file's ``timing`` (``None`` where not set)."""
     timing = data.get("timing", {})
     if not isinstance(timing, Mapping):
         raise CandidateSchemaError("timing", "expected object")
@@ -215,12 +217,12 @@ def _parse_timing(data: Mapping[str, Any]) -> tuple[int | None, float | None, fl
         if rounds > 10_000:
             raise CandidateSchemaError("timing.rounds", f"at most 10000 rounds, got {rounds}")
     seconds: list[float | None] = []
-    for key, low in (("time_budget_s", 0.1), ("width_pool_s", 0.0)):
+    for key, low in (("time_budget_s", 0.1), ("width_pool_s", 0.0), ("run_budget_s", 1.0)):
         value = timing.get(key)
         if value is not None:
             _bounded_number(f"timing.{key}", value, float, low, MAX_TIMING_SECONDS)
         seconds.append(None if value is None else float(value))
-    return rounds, seconds[0], seconds[1]
+    return rounds, seconds[0], seconds[1], seconds[2]
 
 
 def _parse_candidate(i: int, cand: Any, names: set[str], registry: AccelerationRegistry) -> Candidate:
@@ -277,7 +279,7 @@ def parse_candidates(data: Any, *, registry: AccelerationRegistry, source: str |
     _check_type("description", description, str)
     workload = _parse_workload(data)
     budget = _parse_budget(data)
-    rounds, time_budget_s, width_pool_s = _parse_timing(data)
+    rounds, time_budget_s, width_pool_s, run_budget_s = _parse_timing(data)
     raw_candidates = data.get("candidates")
     if not isinstance(raw_candidates, list) or not raw_candidates:
         raise CandidateSchemaError("candidates", "expected a non-empty list")
@@ -286,7 +288,7 @@ def parse_candidates(data: Any, *, registry: AccelerationRegistry, source: str |
     names: set[str] = set()
     candidates = [_parse_candidate(i, cand, names, registry) for i, cand in enumerate(raw_candidates)]
     return CandidateFile(model, workload, budget, rounds, tuple(candidates), description, source, dict(data),
-                         time_budget_s, width_pool_s)
+                         time_budget_s, width_pool_s, run_budget_s)
 
 
 def _schema_path(path: str) -> str:

@@ -32,6 +32,7 @@ from worldfoundry.bench.floor import MIN_ROUNDS as FLOOR_MIN_ROUNDS
 from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
+from worldfoundry.bench.run_budget import RunBudget, budget_item
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     Arm,
@@ -97,6 +98,10 @@ class BenchConfig:
     #: ``None``: 60 on a GPU (host phases move a host-bound loop by up to 1.8x), 0 on the CPU (the whole
     #: generation is host time there, and the default run should stay near a minute)
     host_hold_s: float | None = None
+    #: the whole run's wall-clock limit (:class:`~worldfoundry.bench.run_budget.RunBudget`): rounds past a candidate's
+    #: budget and host waits run only while the rest of the run still fits; ``None``: the candidate file's
+    #: ``timing.run_budget_s``, else no limit
+    run_budget_s: float | None = None
     max_noise_floor: float = 1.05
     #: the smallest gain a ``recommended`` verdict asserts (its CI lower bound above ``1 + min_gain``); ``None``:
     #: the target half-width (a gain finer than the timing resolves is not called stable)
@@ -161,8 +166,9 @@ def with_file_timing(config: BenchConfig, cfile: CandidateFile) -> BenchConfig:
     value given on the command line wins."""
     budget = config.time_budget_s if config.time_budget_s is not None else cfile.time_budget_s
     pool = config.width_pool_s if config.width_pool_s is not None else cfile.width_pool_s
+    run = config.run_budget_s if config.run_budget_s is not None else cfile.run_budget_s
     return replace(config, time_budget_s=DEFAULT_TIME_BUDGET_S if budget is None else budget,
-                   width_pool_s=0.0 if pool is None else pool)
+                   width_pool_s=0.0 if pool is None else pool, run_budget_s=run)
 
 
 def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = None,
@@ -188,6 +194,9 @@ def plan_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = N
     if config.host_hold_s is not None and not 0.0 <= config.host_hold_s <= 3600.0:
         raise BenchArgumentError(f"--host-hold: expected 0 to 3600 seconds of waiting for a fast host phase "
                                  f"(0 turns it off), got {config.host_hold_s}")
+    if config.run_budget_s is not None and not 0.0 < config.run_budget_s <= 86_400.0:
+        raise BenchArgumentError(f"--run-budget: expected 0 < seconds <= 86400 for the whole run, got "
+                                 f"{config.run_budget_s}")
     return BenchPlan(candidates_path, cfile, choice, list(config.seeds or cfile.seeds), rounds, unavailable)
 
 
@@ -219,6 +228,8 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    budget = None if config.quality_only or not config.run_budget_s else RunBudget(config.run_budget_s,
+                                                                                    started=started)
     pipe = NativeDiffusionPipeline.from_pretrained(model, policy=policy, checkpoint_dir=config.checkpoint_dir,
                                                    random_weights=config.random_weights, registry=registry)
     gc.collect()
@@ -228,7 +239,7 @@ def run_bench(config: BenchConfig, *, registry: AccelerationRegistry | None = No
     compile_mode = set_default_compile_mode("blocking")
     try:
         loaded = time.perf_counter()
-        results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry)
+        results = _run(pipe, cfile, config, model, seeds, rounds, policy, registry, budget)
         results["wall_s"] = {"load": loaded - started, **results["wall_s"], "total": time.perf_counter() - started}
         insert_rows(results["candidates"], plan.unavailable)
     finally:
@@ -256,7 +267,8 @@ def _inputs(candidates_path: str, config: BenchConfig, cfile: CandidateFile) -> 
 
 
 def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfig, model: str, seeds: list[int],
-         rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry) -> dict[str, Any]:
+         rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry,
+         budget: RunBudget | None = None) -> dict[str, Any]:
     gate = None if config.quality_only else HostGate(budget_s=host_hold_s(config))
     began = time.perf_counter()
     runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None, host_gate=gate)
@@ -280,17 +292,13 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
     tpolicy = _timing_policy(config, rounds, len(seeds))
-    results["timing_policy"] = {**asdict(replace(tpolicy, width_pool=None)),
+    if budget is not None:
+        tpolicy = replace(tpolicy, run_budget=budget)
+        plan_items(budget, cfile, config, policy, tpolicy, gate)
+    results["timing_policy"] = {**asdict(replace(tpolicy, width_pool=None, run_budget=None)),
                                 "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
-        control = _control_pairs(runner, dense, seeds, tpolicy)
-        results["dense"]["control"] = control
-        noise_floor = max(1.0, control["ci95"][1])
-        results["noisy_host"] = noisy_host(noise_floor, tpolicy)
-        if results["noisy_host"]:  # no speed verdict will be given: more rounds would only cost time
-            logger.warning("%s", results["noisy_host"])
-            tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
-            results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
+        tpolicy, noise_floor = _noise_floor(results, runner, dense, seeds, tpolicy)
     results["noise_floor"] = noise_floor
     tpolicy = _decision_policy(results, config, tpolicy, noise_floor)
     config.extra["_timing_policy"] = tpolicy
@@ -298,8 +306,9 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     walls = results["wall_s"] = {"dense_and_control": time.perf_counter() - began, "candidates": 0.0}
     for cand in cfile.candidates:
         t0 = time.perf_counter()
-        results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy, registry,
-                                               monitor, bar, noise_floor))
+        with budget_item(budget, lambda: optional_seconds(gate, tpolicy)):
+            results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy,
+                                                   registry, monitor, bar, noise_floor))
         results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
         walls["candidates"] += results["candidates"][-1]["wall_s"]
     if config.peers and not config.quality_only:
@@ -310,10 +319,43 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["gpu_sharing"] = monitor.to_json()
     results["host_speed"] = host_speed_summary(run_probes(results))
     results["host_gate"] = gate.to_json() if gate is not None else None
+    results["run_budget"] = budget.to_json() if budget is not None else None
     _record_policy_state(results, tpolicy)
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+def _noise_floor(results: dict[str, Any], runner: _Runner, dense: dict[int, Any], seeds: list[int],
+                 tpolicy: TimingPolicy) -> tuple[TimingPolicy, float]:
+    """Time the control pairs and record the noise floor; on a noisy host the candidates get only their minimum
+    rounds (no speed verdict will be given: more rounds would only cost time)."""
+    control = _control_pairs(runner, dense, seeds, tpolicy)
+    results["dense"]["control"] = control
+    noise_floor = max(1.0, control["ci95"][1])
+    results["noisy_host"] = noisy_host(noise_floor, tpolicy)
+    if results["noisy_host"]:
+        logger.warning("%s", results["noisy_host"])
+        tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
+        results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
+    return tpolicy, noise_floor
+
+
+def plan_items(budget: RunBudget, cfile: CandidateFile, config: BenchConfig, policy: RuntimePolicy,
+               tpolicy: TimingPolicy, gate: HostGate | None) -> None:
+    """Price the run's items (candidates and peers, each at twice the time budget until one has run) and let the
+    host gate wait only while the run budget leaves slack."""
+    from worldfoundry.bench.peers import resolve_peers
+
+    peers = len(resolve_peers(config.peers, torch.device(policy.device))[0]) if config.peers else 0
+    budget.plan(len(cfile.candidates) + peers, 2 * tpolicy.budget_s)
+    if gate is not None:
+        gate.limit = budget.slack_s
+
+
+def optional_seconds(gate: HostGate | None, tpolicy: TimingPolicy) -> float:
+    """The run's optional seconds so far: the host gate's waits and the width pool's rounds."""
+    return (gate.waited_s if gate is not None else 0.0) + (tpolicy.width_pool.spent if tpolicy.width_pool else 0.0)
 
 
 def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dense: dict[int, Any], seeds: list[int],
@@ -403,7 +445,8 @@ def control_policy(policy: TimingPolicy) -> TimingPolicy:
     above 1."""
     rounds = max(policy.min_rounds, CONTROL_MIN_ROUNDS)
     return replace(policy, min_rounds=rounds, max_rounds=max(2 * policy.max_rounds, rounds),
-                   budget_s=2 * policy.budget_s, target_halfwidth=policy.target_halfwidth / 2, width_pool=None)
+                   budget_s=2 * policy.budget_s, target_halfwidth=policy.target_halfwidth / 2, width_pool=None,
+                   run_budget=None)
 
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,

@@ -76,6 +76,11 @@ class HostGate:
             self.check_ms()
         self.checks = self.held = self.gave_up = 0
         self.waited_s = 0.0
+        #: seconds of waiting the run can still afford (the run budget's
+        #: :meth:`~worldfoundry.bench.run_budget.RunBudget.slack_s`); ``None``: only ``budget_s`` and ``max_wait_s``
+        #: bound a wait. ``limited`` counts the waits it ended.
+        self.limit: Callable[[], float] | None = None
+        self.limited = 0
 
     def check_ms(self) -> float:
         """One check: the median of :data:`PROBES_PER_CHECK` probes (kept for the reference)."""
@@ -102,10 +107,13 @@ class HostGate:
             return value
         self.held += 1
         start = self._clock()
+        allowed = own = min(self.max_wait_s, self.budget_s - self.waited_s)
+        if self.limit is not None:
+            allowed = min(own, self.limit())
         while self.slow(value):
-            spent = self._clock() - start
-            if spent >= self.max_wait_s or self.waited_s + spent >= self.budget_s:
+            if self._clock() - start >= allowed:
                 self.gave_up += 1
+                self.limited += allowed < own
                 break
             self._sleep(POLL_S)
             value = self.check_ms()
@@ -121,7 +129,7 @@ class HostGate:
         """What the gate did: checks, generations held, seconds waited, generations timed still slow."""
         return {"budget_s": self.budget_s, "max_wait_s": self.max_wait_s, "tolerance": self.tolerance,
                 "reference_ms": self.reference_ms, "checks": self.checks, "held": self.held,
-                "waited_s": self.waited_s, "gave_up": self.gave_up}
+                "waited_s": self.waited_s, "gave_up": self.gave_up, "limited": self.limited}
 
 
 def describe(gate: dict[str, Any] | None) -> str:
@@ -132,7 +140,8 @@ def describe(gate: dict[str, Any] | None) -> str:
         return "off (--host-hold 0)"
     return (f"{gate['held']} of {gate['checks']} checks (before each timed generation and each of its steps) held "
             f"for a fast host phase (check > {1 + gate['tolerance']:.2f}x the run's 10th percentile), {gate['waited_s']:.1f} s "
-            f"waited of {gate['budget_s']:.0f} s allowed; {gate['gave_up']} timed while still slow")
+            f"waited of {gate['budget_s']:.0f} s allowed; {gate['gave_up']} timed while still slow"
+            + (f" ({gate['limited']} of them cut short by the run budget)" if gate.get("limited") else ""))
 
 
 __all__ = ["CALIBRATION_CHECKS", "HISTORY", "REFERENCE_QUANTILE", "POLL_S", "PROBES_PER_CHECK", "HostGate", "describe"]

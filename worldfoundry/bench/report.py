@@ -9,6 +9,7 @@ from typing import Any
 
 from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
+from worldfoundry.bench.run_budget import describe as describe_run_budget
 from worldfoundry.bench.metrics import json_number
 
 
@@ -100,6 +101,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- timing: {_timing_line(results)}",
         f"- host speed: {describe_host(results.get('host_speed'))}",
         f"- host gate: {describe_gate(results.get('host_gate'))}",
+        f"- run budget: {describe_run_budget(results.get('run_budget'))}",
         *_wall_line(results),
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",

@@ -51,6 +51,7 @@ import torch
 from worldfoundry.base_models.diffusion_model.runner import BETWEEN_STEPS
 from worldfoundry.bench.floor import DenseFloorReference, reference_step_floor
 from worldfoundry.bench.host_speed import host_split, probe_ms
+from worldfoundry.bench.run_budget import RunBudget
 from worldfoundry.bench.stats import DEFAULT_ESTIMATOR, ESTIMATORS, summarize_speed
 
 #: Default target of the paired-speedup CI half-width, relative to the median (2%).
@@ -109,6 +110,9 @@ class TimingPolicy:
         width_pool: the run's :class:`WidthPool` (``None``: a decided candidate stops at its budget however wide
             its CI): a decided candidate wider than ``target_halfwidth`` when its budget ends gets more rounds while
             the pool has seconds left (the rounds' time is charged to it), up to ``max_rounds``.
+        run_budget: the run's :class:`~worldfoundry.bench.run_budget.RunBudget` (``None``: none): a round past the
+            budget (undecided, slow, or paid by the width pool) runs only while it leaves slack; else the candidate
+            stops with ``stopped="run_budget"``.
     """
 
     min_rounds: int = 3
@@ -123,6 +127,7 @@ class TimingPolicy:
     dense_reference: DenseFloorReference | None = field(default=None, compare=False, repr=False)
     host_tolerance: float = DEFAULT_HOST_TOLERANCE
     width_pool: WidthPool | None = field(default=None, compare=False, repr=False)
+    run_budget: RunBudget | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -199,8 +204,9 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
 
     Returns:
         :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
-        (``"target"``, ``"max_rounds"`` or ``"budget"``; an undecided candidate stops at ``extend_factor`` times
-        the budget), ``extended`` (rounds added after the rule would have stopped: an undecided CI past the budget,
+        (``"target"``, ``"max_rounds"``, ``"budget"``, or ``"run_budget"`` where the run could not afford a round
+        past the budget; an undecided candidate stops at ``extend_factor`` times the budget), ``extended``
+        (rounds added after the rule would have stopped: an undecided CI past the budget,
         or a dense arm in a slow phase), ``dense_excess`` (the pair's dense floor over the policy's
         ``dense_reference``, minus 1; ``None`` without one), the samples' ``steps_s``, ``groups`` and
         ``host_probe_ms``, and ``host_split`` (:func:`~worldfoundry.bench.host_speed.host_split`; rounds are
@@ -234,6 +240,9 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
             wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
             if not ((more and within) or wide):
                 stopped = "target" if narrow else "budget"
+                break
+            if policy.run_budget is not None and not policy.run_budget.allow():
+                stopped = "run_budget"
                 break
             extended += 1
             if not (more and within):

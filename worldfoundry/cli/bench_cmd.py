@@ -58,6 +58,10 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the run may add, past their time budgets, to candidates whose verdict is decided "
                         "but whose CI is wider than --target-halfwidth (default: the candidate file's "
                         "timing.width_pool_s, else 0: none)")
+    p.add_argument("--run-budget", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock limit for the whole run: rounds past a candidate's time budget, width-pool "
+                        "rounds and host waits run only while the rest of the run still fits (default: the "
+                        "candidate file's timing.run_budget_s, else none)")
     p.add_argument("--host-hold", type=float, default=None, metavar="SECONDS",
                    help="seconds a run may wait, in total, before timed generations for the host to leave a slow "
                         "phase (default 60 on a GPU, 0 = off on the CPU)")
@@ -95,6 +99,12 @@ def _width_pool(seconds: float | None) -> float | None:
     return seconds
 
 
+def _run_budget(seconds: float | None) -> float | None:
+    if seconds is not None and not 0 < seconds <= 86_400:
+        raise CommandLineError("--run-budget", f"expected 0 < seconds <= 86400 for the whole run, got {seconds}")
+    return seconds
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="benchmark candidate accelerations (quality, execution, speed)")
     add_arguments(p)
@@ -113,6 +123,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_input_file(args.candidates, "--candidates")
     check_input_dir(args.checkpoint_dir, "--checkpoint-dir", "diffusers-format directory")
     args.peers = peer_names(args.peers)
+    _width_pool(args.width_pool)
+    _run_budget(args.run_budget)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +155,8 @@ def _run(args: argparse.Namespace) -> int:
         recipe_file=args.recipe_file,
         target_halfwidth=args.target_halfwidth, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
         max_noise_floor=args.max_noise_floor, estimator=args.estimator, min_gain=args.min_gain,
-        peers=args.peers, host_hold_s=args.host_hold, width_pool_s=_width_pool(args.width_pool),
+        peers=args.peers, host_hold_s=args.host_hold, width_pool_s=args.width_pool,
+        run_budget_s=args.run_budget,
     )
     try:
         results = run_bench(config, announce=lambda message: print(f"worldfoundry bench: {message}", file=sys.stderr))

@@ -1,0 +1,146 @@
+"""A wall-clock limit for a whole bench run, applied to the time the run may add.
+
+A run's length has two parts. The mandatory part is the same on every host: loading, the control pairs, each
+candidate's installation, quality generations and its rounds up to its time budget, the peers, the report. The
+optional part depends on the host: rounds past a candidate's budget (an undecided CI, a dense arm in a slow phase,
+a decided CI still wider than the target and paid by the width pool) and the host gate's waits for a fast phase.
+On an H200 at W17 the optional part was 10 s in one run and 100 s in the next.
+
+:class:`RunBudget` bounds the optional part so that the run ends near ``seconds`` after it began. Before each
+optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
+what is still mandatory (the items not yet started, each priced at the median mandatory cost of the items finished
+so far, plus :data:`TAIL_S` for the report). No slack: the round is not added, the wait ends, and :attr:`cut`
+counts it. The mandatory part is never cut: a run whose mandatory part alone exceeds ``seconds`` overruns, and
+:meth:`to_json` says by how much.
+
+Example::
+
+    budget = RunBudget(280.0)
+    budget.plan(items=15, first_item_s=12.0)   # 13 candidates and 2 peers, about 12 s each before any has run
+    budget.start_item(optional_s=0.0)          # the run's optional seconds so far (waits + width-pool rounds)
+    ...                                        # run_rounds / HostGate consult budget.slack_s()
+    budget.end_item(optional_s=4.2)            # the same total after the item: 4.2 s of it were not its price
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+#: Seconds kept for what follows the last item: the dense check generation and writing results, report and plots.
+TAIL_S: Final = 15.0
+
+
+class RunBudget:
+    """The run's deadline and the slack it leaves for optional time (see the module docstring).
+
+    Args:
+        seconds: the run's wall-clock limit, counted from ``started``.
+        started: the run's start on ``clock`` (default: now).
+        tail_s: seconds reserved after the last item.
+        clock: ``time.perf_counter`` (tests pass a fake).
+
+    Raises:
+        ValueError: ``seconds`` not positive, or ``tail_s`` negative.
+    """
+
+    def __init__(self, seconds: float, *, started: float | None = None, tail_s: float = TAIL_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if not seconds > 0:
+            raise ValueError(f"run budget: seconds must be > 0, got {seconds}")
+        if not tail_s >= 0:
+            raise ValueError(f"run budget: tail_s must be >= 0, got {tail_s}")
+        self.seconds, self.tail_s, self._clock = float(seconds), float(tail_s), clock
+        self.started = clock() if started is None else float(started)
+        self.items_left = 0
+        self.first_item_s = 0.0
+        self.costs: list[float] = []
+        #: optional rounds not added and host waits ended because no slack was left
+        self.cut = 0
+        self._item_started: tuple[float, float] | None = None
+
+    def plan(self, items: int, first_item_s: float) -> None:
+        """``items`` still to run, priced at ``first_item_s`` each until one has finished."""
+        if items < 0 or not first_item_s >= 0:
+            raise ValueError(f"run budget plan: expected items >= 0 and first_item_s >= 0, got {items}, "
+                             f"{first_item_s}")
+        self.items_left, self.first_item_s = int(items), float(first_item_s)
+
+    @property
+    def item_s(self) -> float:
+        """The price of one item: the median mandatory cost of those finished, else ``first_item_s``."""
+        return statistics.median(self.costs) if self.costs else self.first_item_s
+
+    def reserve_s(self) -> float:
+        """Seconds still mandatory after the current item: the items not started and the tail."""
+        return self.items_left * self.item_s + self.tail_s
+
+    def elapsed_s(self) -> float:
+        return self._clock() - self.started
+
+    def slack_s(self) -> float:
+        """Seconds of optional time left (0 when the deadline minus the reserve has passed)."""
+        return max(0.0, self.seconds - self.elapsed_s() - self.reserve_s())
+
+    def allow(self) -> bool:
+        """Whether an optional round may run; a refusal is counted in :attr:`cut`."""
+        if self.slack_s() > 0:
+            return True
+        self.cut += 1
+        return False
+
+    def start_item(self, optional_s: float = 0.0) -> None:
+        """An item (a candidate or a peer) begins: it leaves the reserve. ``optional_s``: the run's optional
+        seconds so far (host waits and width-pool rounds)."""
+        self.items_left = max(0, self.items_left - 1)
+        self._item_started = (self._clock(), float(optional_s))
+
+    def end_item(self, optional_s: float = 0.0) -> None:
+        """The item begun by :meth:`start_item` ended; ``optional_s``: the run's optional seconds now. The item's
+        price is its wall time minus the optional seconds it added."""
+        if self._item_started is None:
+            raise RuntimeError("run budget: end_item without start_item")
+        began, optional_before = self._item_started
+        added = max(0.0, float(optional_s) - optional_before)
+        self.costs.append(max(0.0, self._clock() - began - added))
+        self._item_started = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The limit, the time used so far, the overrun it implies with the tail still to come, the items' median
+        price and the optional time refused."""
+        elapsed = self.elapsed_s()
+        return {"seconds": self.seconds, "elapsed_s": round(elapsed, 3),
+                "over_s": round(max(0.0, elapsed + self.reserve_s() - self.seconds), 3),
+                "item_s": round(self.item_s, 3), "items_priced": len(self.costs), "tail_s": self.tail_s,
+                "cut": self.cut}
+
+
+@contextlib.contextmanager
+def budget_item(budget: RunBudget | None, optional_s: Callable[[], float]) -> Iterator[None]:
+    """One item of the run under ``budget`` (nothing when ``None``); ``optional_s()`` reads the run's optional
+    seconds so far, before and after the item."""
+    if budget is None:
+        yield
+        return
+    budget.start_item(optional_s())
+    try:
+        yield
+    finally:
+        budget.end_item(optional_s())
+
+
+def describe(budget: dict[str, Any] | None) -> str:
+    """One report line for :meth:`RunBudget.to_json`'s mapping."""
+    if not budget:
+        return "none (rounds past a candidate's budget and host waits bounded only by their own limits)"
+    line = (f"{budget['seconds']:.0f} s; {budget['elapsed_s']:.0f} s used before the report; "
+            f"{budget['cut']} optional rounds or waits refused for lack of time")
+    if budget["over_s"] > 0:
+        line += f"; over by about {budget['over_s']:.0f} s: the mandatory work alone took longer"
+    return line
+
+
+__all__ = ["TAIL_S", "RunBudget", "budget_item", "describe"]
