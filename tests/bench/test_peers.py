@@ -74,3 +74,15 @@ def test_a_peer_whose_undo_leaves_the_model_changed_is_named(tmp_path: Path, mon
     assert results["dense"]["stable_after_candidates"] is False  # the harness's own final check still sees it
     assert "**not restored**: the dense output changed after fbcache was undone" in (
         tmp_path / "o" / "report.md").read_text()
+
+
+def test_each_peer_is_an_item_of_the_run_budget(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"workload": WORKLOAD, "candidates": [
+        {"name": "kv", "accelerations": {"wan_cross_kv_fusion": {"min_tokens": 0}}}]}))
+    results = run_bench(BenchConfig(model="tiny-wan2.1-trained", candidates=str(path), out=str(tmp_path / "o"),
+                                    rounds=3, max_rounds=3, progress=False, peers=["eager"], run_budget_s=3600.0))
+    budget = results["run_budget"]
+    # one candidate and one peer priced, none left in the reserve: the run is not reported over its budget
+    assert budget["items_priced"] == 2 and budget["over_s"] == 0.0 and budget["cut"] == 0
+    assert results["peers"][0]["verdict"] == "peer_reference"

@@ -3,6 +3,7 @@ interleaved paired timing -> verdict; finally results.json, report.md and plots.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -364,8 +365,14 @@ def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dens
     from worldfoundry.bench.peers import run_peers
 
     t0 = time.perf_counter()
+    gate = runner.host_gate
+
+    def item(name: str) -> contextlib.AbstractContextManager[None]:  # each peer is an item of the run budget
+        return budget_item(tpolicy.run_budget, lambda: gate.waited_s if gate is not None else 0.0)
+
     # reference rows get no verdict, so no extension of undecided rounds either
-    results["peers"] = run_peers(peers, runner, dense, seeds, replace(tpolicy, threshold=None, width_pool=None))
+    results["peers"] = run_peers(peers, runner, dense, seeds, replace(tpolicy, threshold=None, width_pool=None),
+                                 item=item)
     results["wall_s"]["peers"] = time.perf_counter() - t0
 
 

@@ -21,6 +21,7 @@ untimed generation after every apply or undo).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import time
@@ -271,13 +272,15 @@ def _undo_into(row: dict[str, Any], undo: Callable[[], None] | None) -> None:
         row["undo_error"] = f"{type(exc).__name__}: {exc}"
 
 
-def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int],
-              policy: TimingPolicy) -> list[dict[str, Any]]:
-    """Rows for the requested peers (skipped ones say why)."""
+def run_peers(names: list[str], runner: Any, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy, *,
+              item: Callable[[str], contextlib.AbstractContextManager[None]] | None = None) -> list[dict[str, Any]]:
+    """Rows for the requested peers (skipped ones say why); ``item(name)``, when given, is entered around each
+    peer's run (the run budget prices it)."""
     to_run, rows = resolve_peers(names, runner.pipe.policy.device)
     reference = dense[seeds[0]].latents  # what dense computes now: a peer that changes it is named once
     for name in to_run:
-        row = run_peer(name, runner, dense, seeds, policy)
+        with item(name) if item is not None else contextlib.nullcontext():
+            row = run_peer(name, runner, dense, seeds, policy)
         rows.append(row)
         after = runner.generate(seeds[0], f"dense-after-peer-{name}").latents
         row["restored"] = bool(torch.equal(after, reference))
