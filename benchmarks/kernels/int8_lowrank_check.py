@@ -15,7 +15,9 @@ runs ``--repeats`` times:
 * every repeat bitwise equal to the first (a launch shape with a race differs between runs).
 
 ``--stages 2 4`` also runs the quantizer's shapes at those pipelining depths, ``--programs 132 264`` with that
-many programs walking the row blocks; ``--widths 1536`` one width.
+many programs walking the row blocks; ``--widths 1536`` one width; ``--block-m 16 --block-k 512 1024`` another grid
+(with ``--programs 132 264`` and ``--stages 2 3``: a few programs whose rows stay in L2 between the two passes, with
+enough bytes in flight to keep the memory busy).
 Then the shape is timed (CUDA events, median): ``ms`` one synchronised call per sample (the host's launch
 latency included), ``ms_graph`` a CUDA graph of ten calls (the GPU's time alone).
 Writes ``<out>/int8_lowrank_check.json``.
@@ -42,6 +44,14 @@ from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_qua
 M_TOKENS = 32760
 RANK = 32
 SHAPES = [dict(block_m=bm, block_k=bk, num_warps=w) for bm in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)]
+
+
+def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The launch-shape grid: :data:`SHAPES`, or ``--block-m`` x ``--block-k`` x 4/8 warps where either is given."""
+    if not (args.block_m or args.block_k):
+        return SHAPES
+    return [dict(block_m=bm, block_k=bk, num_warps=w) for bm in (args.block_m or (16, 32, 64))
+            for bk in (args.block_k or (64, 128, 256)) for w in (4, 8)]
 
 
 def t_errors(t: torch.Tensor, t_ref: torch.Tensor, block_m: int) -> dict[str, Any]:
@@ -90,13 +100,14 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
     for name, (run, q, s, t_ref) in kernels.items():
         if name not in args.kernels:
             continue
-        launches = SHAPES + [{}]
+        grid = shapes(args)
+        launches = grid + [{}]
         if name == "gelu_single_pass":  # each shape both ways: two elements per bfloat16 conversion, and one
             launches = [dict(launch, packed_rounding=packed) for packed in (True, False) for launch in launches]
         if name == "quant_lowrank" and args.stages:  # and each shape at other pipelining depths
-            launches += [dict(launch, num_stages=st) for st in args.stages for launch in SHAPES]
+            launches += [dict(launch, num_stages=st) for st in args.stages for launch in grid]
         if name == "quant_lowrank" and args.programs:  # and each shape with fewer programs walking row blocks
-            launches += [dict(launch, programs=n) for n in args.programs for launch in SHAPES]
+            launches += [dict(launch, programs=n) for n in args.programs for launch in grid]
         rows = [check_shape(run, q, s, t_ref, launch, args) for launch in launches]
         for r in rows:
             print(k, name, r["launch"], {key: r.get(key) for key in
@@ -118,6 +129,10 @@ def main() -> None:
     p.add_argument("--stages", nargs="*", type=int, default=[],
                    help="quant_lowrank: also every shape at these num_stages (triton's default is 3)")
     p.add_argument("--widths", nargs="+", type=int, default=[1536, 8960], help="row widths K (default both)")
+    p.add_argument("--block-m", nargs="*", type=int, default=[], help="rows per program of the grid (default 16 32 64)")
+    p.add_argument("--block-k", nargs="*", type=int, default=[],
+                   help="chunk widths of the grid (default 64 128 256; wider chunks put more bytes in flight per "
+                        "program, which a few persistent programs whose rows stay in L2 for the second pass need)")
     p.add_argument("--programs", nargs="*", type=int, default=[],
                    help="quant_lowrank: also every shape with this many programs walking the row blocks "
                         "(e.g. 132 264: one or two per H200 SM)")
