@@ -94,6 +94,25 @@ def test_slack_is_never_negative_and_never_more_than_the_time_left(seconds, item
         assert budget.items_left >= 0 and all(cost >= 0 for cost in budget.costs)
 
 
+def test_a_round_longer_than_the_slack_is_not_started() -> None:
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
+    clock.now = 97.0
+    assert budget.allow(2.0) and not budget.allow(4.0) and budget.cut == 1
+
+
+def test_rounds_past_the_budget_are_charged_to_the_run_budget_not_to_the_item() -> None:
+    """An undecided candidate's extra rounds are optional time: counted in ``extended_s``, so the price of an item
+    (what the reserve assumes for the items not yet run) stays its mandatory part."""
+    noisy = [(1.0, 1 / 0.9), (1.0, 1 / 1.2)] * 20  # straddles 1.02 for as long as the rounds go on
+    budget = RunBudget(1e6, started=0.0, tail_s=0.0, clock=lambda: 0.0)
+    policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, estimator="paired_median", threshold=1.02,
+                          run_budget=budget)
+    out = run_rounds(lambda r: noisy[r], policy, clock=itertools.count().__next__)
+    assert out["extended"] > 0 and out["widened"] == 0
+    assert budget.extended_s > 0 and budget.cut == 0
+
+
 def _wide_pairs():
     return [(1.0, 0.5), (1.0, 0.45)] * 20  # clearly faster, CI about 5 % wide: the width pool would extend it
 

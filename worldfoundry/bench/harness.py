@@ -355,8 +355,11 @@ def plan_items(budget: RunBudget, cfile: CandidateFile, config: BenchConfig, pol
 
 
 def optional_seconds(gate: HostGate | None, tpolicy: TimingPolicy) -> float:
-    """The run's optional seconds so far: the host gate's waits and the width pool's rounds."""
-    return (gate.waited_s if gate is not None else 0.0) + (tpolicy.width_pool.spent if tpolicy.width_pool else 0.0)
+    """The run's optional seconds so far: the host gate's waits, the width pool's rounds and the other rounds past
+    a candidate's budget."""
+    extended = tpolicy.run_budget.extended_s if tpolicy.run_budget is not None else 0.0
+    return ((gate.waited_s if gate is not None else 0.0) + (tpolicy.width_pool.spent if tpolicy.width_pool else 0.0)
+            + extended)
 
 
 def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dense: dict[int, Any], seeds: list[int],
@@ -368,7 +371,7 @@ def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dens
     gate = runner.host_gate
 
     def item(name: str) -> contextlib.AbstractContextManager[None]:  # each peer is an item of the run budget
-        return budget_item(tpolicy.run_budget, lambda: gate.waited_s if gate is not None else 0.0)
+        return budget_item(tpolicy.run_budget, lambda: optional_seconds(gate, tpolicy))
 
     # reference rows get no verdict, so no extension of undecided rounds either
     results["peers"] = run_peers(peers, runner, dense, seeds, replace(tpolicy, threshold=None, width_pool=None),

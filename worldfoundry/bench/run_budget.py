@@ -60,6 +60,9 @@ class RunBudget:
         self.costs: list[float] = []
         #: optional rounds not added and host waits ended because no slack was left
         self.cut = 0
+        #: seconds of rounds past a candidate's budget that the width pool did not pay for (an undecided CI, a dense
+        #: arm in a slow phase): optional time, left out of the items' prices
+        self.extended_s = 0.0
         self._item_started: tuple[float, float] | None = None
 
     def plan(self, items: int, first_item_s: float) -> None:
@@ -85,9 +88,11 @@ class RunBudget:
         """Seconds of optional time left (0 when the deadline minus the reserve has passed)."""
         return max(0.0, self.seconds - self.elapsed_s() - self.reserve_s())
 
-    def allow(self) -> bool:
-        """Whether an optional round may run; a refusal is counted in :attr:`cut`."""
-        if self.slack_s() > 0:
+    def allow(self, need_s: float = 0.0) -> bool:
+        """Whether an optional round of about ``need_s`` seconds (the last round's) fits in the slack; a refusal is
+        counted in :attr:`cut`."""
+        slack = self.slack_s()
+        if slack > 0 and slack >= need_s:
             return True
         self.cut += 1
         return False
@@ -115,7 +120,7 @@ class RunBudget:
         return {"seconds": self.seconds, "elapsed_s": round(elapsed, 3),
                 "over_s": round(max(0.0, elapsed + self.reserve_s() - self.seconds), 3),
                 "item_s": round(self.item_s, 3), "items_priced": len(self.costs), "tail_s": self.tail_s,
-                "cut": self.cut}
+                "cut": self.cut, "extended_s": round(self.extended_s, 3)}
 
 
 @contextlib.contextmanager

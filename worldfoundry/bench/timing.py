@@ -205,12 +205,12 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     Returns:
         :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
         (``"target"``, ``"max_rounds"``, ``"budget"``, or ``"run_budget"`` where the run could not afford a round
-        past the budget; an undecided candidate stops at ``extend_factor`` times the budget), ``extended``
-        (rounds added after the rule would have stopped: an undecided CI past the budget,
-        or a dense arm in a slow phase), ``dense_excess`` (the pair's dense floor over the policy's
-        ``dense_reference``, minus 1; ``None`` without one), the samples' ``steps_s``, ``groups`` and
-        ``host_probe_ms``, and ``host_split`` (:func:`~worldfoundry.bench.host_speed.host_split`; rounds are
-        extended while it exceeds the policy's ``host_tolerance``).
+        past the budget; an undecided candidate stops at ``extend_factor`` times the budget), ``extended`` (rounds
+        added after the rule would have stopped: an undecided CI past the budget, or a slow dense arm),
+        ``dense_excess`` (the pair's dense floor over the policy's ``dense_reference``, minus 1; ``None`` without
+        one), the samples' ``steps_s``, ``groups`` and ``host_probe_ms``, and ``host_split``
+        (:func:`~worldfoundry.bench.host_speed.host_split`; rounds are extended while it exceeds the policy's
+        ``host_tolerance``).
     """
     dense: list[Timed] = []
     cand: list[Timed] = []
@@ -218,16 +218,20 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     stopped = "max_rounds"
     summary: dict[str, Any] = {}
     extended = widened = 0
-    charged_from: float | None = None  # a width-pool round runs since then
-
+    # an optional round runs since ``charged_from``, paid by the width pool (``pool_round``) or the run budget
+    charged_from: float | None = None
+    pool_round, budget, last_round_s = False, policy.run_budget, 0.0
     for r in range(policy.max_rounds):
+        began = clock() if budget is not None else 0.0
         d, c = pair(r)
         dense.append(_sample(d))
         cand.append(_sample(c))
         if on_round is not None:
             on_round()
+        if budget is not None:
+            last_round_s = clock() - began
         if charged_from is not None:
-            policy.width_pool.spent += clock() - charged_from
+            _charge(policy, pool_round, clock() - charged_from)
             charged_from = None
         if len(dense) < policy.min_rounds:
             continue
@@ -235,18 +239,14 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         narrow = ci_halfwidth(summary) <= policy.target_halfwidth
         elapsed = clock() - start
         if narrow or elapsed >= policy.budget_s:
-            within = elapsed < policy.extend_factor * policy.budget_s
-            more = _needs_more(summary, policy, narrow)
-            wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
-            if not ((more and within) or wide):
-                stopped = "target" if narrow else "budget"
-                break
-            if policy.run_budget is not None and not policy.run_budget.allow():
-                stopped = "run_budget"
+            step = _past_budget(summary, policy, narrow, elapsed, last_round_s)
+            if step not in ("extend", "pool"):
+                stopped = step
                 break
             extended += 1
-            if not (more and within):
-                widened += 1
+            pool_round = step == "pool"
+            widened += pool_round
+            if pool_round or budget is not None:
                 charged_from = clock()
     if not summary:
         summary = _summarize(dense, cand, policy)
@@ -255,6 +255,28 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     summary.update(rounds=len(dense), halfwidth=ci_halfwidth(summary), stopped=stopped, extended=extended,
                    widened=widened, target_halfwidth=policy.target_halfwidth, dense_excess=excess)
     return summary
+
+
+def _past_budget(summary: dict[str, Any], policy: TimingPolicy, narrow: bool, elapsed: float,
+                 last_round_s: float) -> str:
+    """What a candidate whose CI is narrow or whose budget is spent does next: stop (``"target"``, ``"budget"``,
+    ``"run_budget"``) or run one more round (``"extend"``: for the verdict's sake; ``"pool"``: paid by the width
+    pool)."""
+    more = _needs_more(summary, policy, narrow) and elapsed < policy.extend_factor * policy.budget_s
+    wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
+    if not (more or wide):
+        return "target" if narrow else "budget"
+    if policy.run_budget is not None and not policy.run_budget.allow(last_round_s):
+        return "run_budget"
+    return "extend" if more else "pool"
+
+
+def _charge(policy: TimingPolicy, pool_round: bool, seconds: float) -> None:
+    """An optional round's time: to the width pool when it paid for it, else to the run budget's ``extended_s``."""
+    if pool_round:
+        policy.width_pool.spent += seconds
+    elif policy.run_budget is not None:
+        policy.run_budget.extended_s += seconds
 
 
 def _needs_more(summary: dict[str, Any], policy: TimingPolicy, narrow: bool) -> bool:
