@@ -1,9 +1,12 @@
 """Correctness and time of the fused INT8 quantizer + low-rank kernels' launch shapes at the W81 FFN widths (CUDA).
 
-Three kernels: the quantizer + low-rank down projection (:mod:`...int8_quant_lowrank`, the up projection's input),
+Four kernels: the quantizer + low-rank down projection (:mod:`...int8_quant_lowrank`, the up projection's input),
 the GELU producer (:mod:`...int8_gelu_quant`, the down projection's input) and its single pass with given row maxima
-(``gelu_single_pass``: no smoothing, ``row_max`` of the input, every shape with ``packed_rounding`` on and off;
-``--kernels`` picks). For K 1,536 and 8,960 (M 32,760 tokens, rank 32, smoothing except for the single pass)
+(``gelu_single_pass``: no smoothing, ``row_max`` of the input, every shape with ``packed_rounding`` on and off)
+and, with ``--kernels grouped_quant_lowrank``, the one-read quantizer with a scale per token and group of 128
+(:mod:`...int8_grouped_quant_lowrank`; codes and scales against ``quantize_rows_int8_grouped``, its own grid of
+rows per program and warps) beside ``grouped_torch``, the torch quantizer and bfloat16 GEMM it replaces
+(``--kernels`` picks). For K 1,536 and 8,960 (M 32,760 tokens, rank 32, smoothing except for the single pass)
 and every launch shape ``block_m`` 16/32/64 x ``block_k`` 64/128/256 x 4/8 warps (and the default), each shape
 runs ``--repeats`` times:
 
@@ -39,11 +42,16 @@ from cuda_timing import time_ms, time_ms_graph
 
 from worldfoundry.core.acceleration.kernels.int8_act_quant import triton_quantize_rows_int8
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import triton_quantize_rows_int8_grouped_lowrank
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8_grouped
 
 M_TOKENS = 32760
 RANK = 32
 SHAPES = [dict(block_m=bm, block_k=bk, num_warps=w) for bm in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)]
+#: The grouped quantizer's activation group and launch shapes.
+GROUP = 128
+GROUPED_SHAPES = [dict(block_m=bm, num_warps=w) for bm in (16, 32, 64, 128) for w in (4, 8)]
 
 
 def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -85,6 +93,7 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
     inv = torch.rand(k, generator=g, device="cuda") + 0.5
     down = (torch.randn(RANK, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     q_ref, s_ref = triton_quantize_rows_int8(x, inv)
+    qg_ref, sg_ref = quantize_rows_int8_grouped(x, inv, GROUP)
     rm = x.amax(dim=1).float().clamp_min(0.0)
     kernels = {
         "quant_lowrank": (lambda **kw: triton_quantize_rows_int8_lowrank(x, inv, down, single_pass=False, **kw),
@@ -92,6 +101,12 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
         # the producer's GELU output is not returned: t against F.linear of torch's GELU (a few ulps apart)
         "gelu_quant_lowrank": (lambda **kw: triton_gelu_quantize_rows_int8_lowrank(x, "tanh", inv, down, **kw),
                                None, None, F.linear(F.gelu(x, approximate="tanh"), down).float()),
+        # one scale per token and group of 128 channels: codes, scales and t from one read of x
+        "grouped_quant_lowrank": (lambda **kw: triton_quantize_rows_int8_grouped_lowrank(x, inv, down, GROUP, **kw),
+                                  qg_ref, sg_ref, F.linear(x, down).float()),
+        # what ran before it: the torch grouped quantizer and a bfloat16 GEMM for t (several kernels)
+        "grouped_torch": (lambda **kw: (*quantize_rows_int8_grouped(x, inv, GROUP), F.linear(x, down)),
+                          qg_ref, sg_ref, F.linear(x, down).float()),
         "gelu_single_pass": (lambda **kw: triton_gelu_quantize_rows_int8_lowrank(x, "tanh", None, down, row_max=rm,
                                                                                  **kw),
                              None, None, F.linear(F.gelu(x, approximate="tanh"), down).float()),
@@ -102,6 +117,10 @@ def width_section(k: int, args: argparse.Namespace) -> dict[str, list[dict[str, 
             continue
         grid = shapes(args)
         launches = grid + [{}]
+        if name == "grouped_quant_lowrank":  # rows per program and warps only: a chunk is one group
+            launches = GROUPED_SHAPES + [{}]
+        if name == "grouped_torch":
+            launches = [{}]
         if name == "gelu_single_pass":  # each shape both ways: two elements per bfloat16 conversion, and one
             launches = [dict(launch, packed_rounding=packed) for packed in (True, False) for launch in launches]
         if name == "quant_lowrank" and args.stages:  # and each shape at other pipelining depths
@@ -125,7 +144,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--kernels", nargs="+", default=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"],
-                   choices=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass"])
+                   choices=["quant_lowrank", "gelu_quant_lowrank", "gelu_single_pass", "grouped_quant_lowrank",
+                            "grouped_torch"])
     p.add_argument("--stages", nargs="*", type=int, default=[],
                    help="quant_lowrank: also every shape at these num_stages (triton's default is 3)")
     p.add_argument("--widths", nargs="+", type=int, default=[1536, 8960], help="row widths K (default both)")

@@ -234,3 +234,23 @@ def test_single_pass_gelu_producer_keeps_the_conversion_unit_to_its_transcendent
     singles, pairs = len(re.findall(r"cvt\.rn\.bf16\.f32", ptx)), len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx))
     # 64 x 128 elements over 256 threads: 32 roundings each (3 more for the row magnitudes)
     assert (singles <= 3 and pairs >= 16) if packed else (singles >= 32 and pairs < 16)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_grouped_quant_lowrank_kernel_compiles_for_sm90_without_fma(group, block_m):
+    """The one-read grouped quantizer: no FMA in the codes, the low-rank dot on tensor cores, codes from the
+    float's bits."""
+    from worldfoundry.core.acceleration.kernels import int8_grouped_quant_lowrank
+
+    sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
+           "M": "i32", "K": "i32", "stride_xm": "i32",
+           **dict.fromkeys(["RANK", "HAS_SMOOTH", "HAS_LR", "BLOCK_M", "GROUP", "WIDEN"], "constexpr")}
+    consts = {"RANK": 32, "HAS_SMOOTH": True, "HAS_LR": True, "BLOCK_M": block_m, "GROUP": group, "WIDEN": False}
+    kernel = triton.compile(ASTSource(fn=int8_grouped_quant_lowrank._int8_grouped_lowrank_kernel, signature=sig,
+                                      constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
+                            target=HOPPER, options={"num_warps": 4, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert "fma.rn.f32" not in ptx
+    assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)
+    assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)

@@ -35,6 +35,8 @@ from worldfoundry.core.acceleration.kernels.int8_act_quant import (
     triton_quantize_rows_int8,
 )
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import GROUPS as GROUPED_QUANT_GROUPS
+from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import triton_quantize_rows_int8_grouped_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import CHANNEL_ACT_GROUPS, triton_w4a8_gemm, triton_w4a16_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAILABLE
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import check_row_max, gluon_w4a8_persistent_gemm
@@ -246,8 +248,14 @@ def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Te
             f"group-wise weights of group {group} or per-channel weights and groups of 128 or 256 (this weight: "
             f"group_size {weight.group_size}, backend {choice.backend})")
     x2d = x.reshape(-1, weight.in_features)
-    q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, group)
-    out = triton_w4a8_gemm(q, scale, weight, lowrank_down(x2d, weight), bias, out_dtype=x.dtype)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if group in GROUPED_QUANT_GROUPS:  # codes, scales and t from one read of x
+        q, scale, t = triton_quantize_rows_int8_grouped_lowrank(x2d, weight.inv_smooth, weight.lora_down, group)
+    else:
+        q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, group)
+        t = lowrank_down(x2d, weight)
+    out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=x.dtype)
     return out.reshape(*x.shape[:-1], weight.out_features), choice
 
 
