@@ -27,6 +27,10 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   producer), each exactly as :class:`worldfoundry_svdquant.ffn_fusion_w4a8.FusedW4A8FFN` runs it, and
   ``w4a8_ffn_single_pass_earlier`` (the single pass as first timed: ``row_max_staged=False``,
   ``packed_rounding=False``).
+* with ``--act-group G`` (128 or 256), the configuration whose quality is within the fixture's draft budget
+  (INT8 scales per token and group of ``G`` input channels): ``svdquant_linear_act_group`` (``act_group=G``
+  through the dispatch: the one-read grouped quantizer + low-rank, then the Triton per-channel GEMM that scales
+  each K step by its group) and ``gemm_only_act_group`` (that GEMM alone, codes precomputed).
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -62,12 +66,14 @@ from cuda_timing import host_issue_us, time_ms, time_ms_graph, time_ms_queued
 from power_probe import probe
 
 from worldfoundry.core.acceleration.kernels.int8_gelu_quant import triton_gelu_quantize_rows_int8_lowrank
+from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import triton_quantize_rows_int8_grouped_lowrank
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import (
     BackendChoice,
     svdquant_linear,
     w4a8_gemm_from_codes,
 )
+from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
@@ -78,7 +84,7 @@ SHAPES = ((1536, 8960), (8960, 1536))
 RANK = 32
 
 
-def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
+def variants(k: int, n: int, act_group: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """The timed callables of one shape and what ran (backend names from the dispatch)."""
     g = torch.Generator(device="cuda").manual_seed(k)
     x = torch.randn(M_TOKENS, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -103,6 +109,10 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
            "svdquant_linear_two_kernels": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
                                                                   fused_lowrank=False),
            "gemm_only": lambda: gluon_w4a8_persistent_gemm(q, s, weight, t, bias)}
+    if act_group:
+        fns.update(_act_group_rows(x, weight, bias, act_group))
+        ran["svdquant_linear_act_group"] = svdquant_linear(x, weight, bias, backend="w4a8",
+                                                           act_group=act_group)[1].backend
     if k == 8960:
         h = (torch.randn(M_TOKENS, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
 
@@ -133,6 +143,14 @@ def variants(k: int, n: int) -> tuple[dict[str, Any], dict[str, str]]:
         fns["gemm_only_row_max_reduced"] = lambda: gluon_w4a8_persistent_gemm(
             q, s, weight, t, bias, row_max=torch.zeros(M_TOKENS, device="cuda"), row_max_staged=False)
     return fns, ran
+
+
+def _act_group_rows(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor,
+                    group: int) -> dict[str, Any]:
+    """The Linear with INT8 scales per token and group of ``group`` input channels, and its GEMM alone."""
+    qg, sg, tg = triton_quantize_rows_int8_grouped_lowrank(x, weight.inv_smooth, weight.lora_down, group)
+    return {"svdquant_linear_act_group": lambda: svdquant_linear(x, weight, bias, backend="w4a8", act_group=group),
+            "gemm_only_act_group": lambda: triton_w4a8_gemm(qg, sg, weight, tg, bias, out_dtype=torch.bfloat16)}
 
 
 def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dict[str, str]]:
@@ -215,8 +233,9 @@ def _rows(per_block: dict[str, list[float]]) -> dict[str, Any]:
     return rows
 
 
-def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str]) -> dict[str, Any]:
-    fns, ran = variants(k, n) if k else ffn_variants()
+def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str],
+                  act_group: int | None = None) -> dict[str, Any]:
+    fns, ran = variants(k, n, act_group) if k else ffn_variants()
     per_block = {method: {name: [] for name in fns} for method in timings}
     host = {name: [] for name in fns}
     names = list(fns)
@@ -241,14 +260,18 @@ def main() -> None:
     parser.add_argument("--power-probe", type=float, default=0.0, metavar="SECONDS",
                         help="also run the up projection's bf16 and W4A8 Linears isolated and sustained for this many "
                              "seconds each, logging SM clock and power (power_probe.py; section 'power')")
+    parser.add_argument("--act-group", type=int, choices=(128, 256), default=None,
+                        help="also time the Linear with INT8 scales per token and group of this many input channels")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps, args.timing) for k, n in SHAPES}
+    shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps, args.timing, args.act_group)
+              for k, n in SHAPES}
     if args.ffn:
         shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps, args.timing)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
-              "reps": args.reps, "burst": BURST, "commit": os.environ.get("COMMIT"), "shapes": shapes}
+              "reps": args.reps, "burst": BURST, "act_group": args.act_group,
+              "commit": os.environ.get("COMMIT"), "shapes": shapes}
     if args.power_probe > 0:
         fns = variants(*SHAPES[0])[0]
         report["power"] = probe({name: fns[name] for name in ("bf16_linear_bias", "svdquant_linear", "gemm_only")},

@@ -236,12 +236,15 @@ def test_single_pass_gelu_producer_keeps_the_conversion_unit_to_its_transcendent
     assert (singles <= 3 and pairs >= 16) if packed else (singles >= 32 and pairs < 16)
 
 
-@pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("group,block_m", [(64, 32), (64, 64), (128, 32), (128, 64), (64, None), (128, None),
+                                           (256, None)])
 def test_grouped_quant_lowrank_kernel_compiles_for_sm90_without_fma(group, block_m):
     """The one-read grouped quantizer: no FMA in the codes, the low-rank dot on tensor cores, codes from the
-    float's bits."""
+    float's bits (``None``: the default rows per program for that group)."""
     from worldfoundry.core.acceleration.kernels import int8_grouped_quant_lowrank
+
+    block_m = block_m or int8_grouped_quant_lowrank.default_block_m(group)
+    assert block_m == (64 if group == 256 else 128) or block_m in (32, 64)
 
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
            "M": "i32", "K": "i32", "stride_xm": "i32",
