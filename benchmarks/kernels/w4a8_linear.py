@@ -29,8 +29,11 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
   ``packed_rounding=False``).
 * with ``--act-group G`` (128 or 256), the configuration whose quality is within the fixture's draft budget
   (INT8 scales per token and group of ``G`` input channels): ``svdquant_linear_act_group`` (``act_group=G``
-  through the dispatch: the one-read grouped quantizer + low-rank, then the Triton per-channel GEMM that scales
-  each K step by its group) and ``gemm_only_act_group`` (that GEMM alone, codes precomputed).
+  through the dispatch: the one-read grouped quantizer + low-rank, then the Gluon grouped GEMM of
+  :mod:`~worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped`), ``svdquant_linear_act_group_fma`` (the same
+  with the FMA promotion, ``GroupedTile(exact=False)``), and the GEMMs alone with codes precomputed:
+  ``gemm_only_act_group`` (Gluon), ``gemm_only_act_group_fma`` and ``gemm_only_act_group_triton`` (the Triton
+  per-channel GEMM that scales each K step by its group, the path before the Gluon one).
 
 GPU clocks drift within a process (power and temperature), and a ratio of two medians timed seconds apart carries
 that drift. So the variants are timed in ``--blocks`` interleaved blocks (each block: every variant, ``--reps``
@@ -74,6 +77,7 @@ from worldfoundry.core.acceleration.kernels.svdquant_dispatch import (
     w4a8_gemm_from_codes,
 )
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import triton_w4a8_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped import GroupedTile, gluon_w4a8_grouped_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.quantization.int4_packing import quantize_int4_groupwise
 from worldfoundry.core.acceleration.quantization.int8_activation import quantize_rows_int8
@@ -147,10 +151,24 @@ def variants(k: int, n: int, act_group: int | None = None) -> tuple[dict[str, An
 
 def _act_group_rows(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor,
                     group: int) -> dict[str, Any]:
-    """The Linear with INT8 scales per token and group of ``group`` input channels, and its GEMM alone."""
-    qg, sg, tg = triton_quantize_rows_int8_grouped_lowrank(x, weight.inv_smooth, weight.lora_down, group)
+    """The Linear with INT8 scales per token and group of ``group`` input channels (through the dispatch, and with
+    the FMA promotion), and its GEMMs alone: Gluon grouped (exact and FMA promotion) and Triton per channel."""
+    qg, sg, tg = triton_quantize_rows_int8_grouped_lowrank(x, weight.inv_smooth, weight.lora_down, group,
+                                                           transposed_scales=True)
+    fma = GroupedTile(exact=False)
+
+    def linear_fma() -> torch.Tensor:
+        q, s, t = triton_quantize_rows_int8_grouped_lowrank(x, weight.inv_smooth, weight.lora_down, group,
+                                                            transposed_scales=True)
+        return gluon_w4a8_grouped_gemm(q, s, weight, t, bias, tile=fma)
+
+    contiguous = sg.contiguous()
     return {"svdquant_linear_act_group": lambda: svdquant_linear(x, weight, bias, backend="w4a8", act_group=group),
-            "gemm_only_act_group": lambda: triton_w4a8_gemm(qg, sg, weight, tg, bias, out_dtype=torch.bfloat16)}
+            "svdquant_linear_act_group_fma": linear_fma,
+            "gemm_only_act_group": lambda: gluon_w4a8_grouped_gemm(qg, sg, weight, tg, bias),
+            "gemm_only_act_group_fma": lambda: gluon_w4a8_grouped_gemm(qg, sg, weight, tg, bias, tile=fma),
+            "gemm_only_act_group_triton": lambda: triton_w4a8_gemm(qg, contiguous, weight, tg, bias,
+                                                                   out_dtype=torch.bfloat16)}
 
 
 def ffn_variants(d: int = 1536, hidden: int = 8960) -> tuple[dict[str, Any], dict[str, str]]:

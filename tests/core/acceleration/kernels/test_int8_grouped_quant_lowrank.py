@@ -87,3 +87,14 @@ def test_bad_operands_are_typed_errors(kwargs, message):
     with pytest.raises(QuantizationInputError, match=message):
         triton_quantize_rows_int8_grouped_lowrank(x, kwargs.get("inv"), down, kwargs.get("group", 128),
                                                   block_m=kwargs.get("block_m"))
+
+
+@pytest.mark.parametrize("m", [1, 6, 37])
+def test_transposed_scales_are_the_same_values_group_major(m):
+    """``transposed_scales``: the same codes and scale values, written group-major into a buffer whose row pitch
+    is ``M`` rounded up to 4 tokens (what the Gluon grouped GEMM reads in place)."""
+    x, inv, down = _operands(m, 384, True, 16, 11)
+    q, s, t = triton_quantize_rows_int8_grouped_lowrank(x, inv, down, 128, transposed_scales=True)
+    q_ref, s_ref = quantize_rows_int8_grouped(x, inv, 128)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert s.shape == (m, 3) and s.stride() == (1, -(-m // 4) * 4)

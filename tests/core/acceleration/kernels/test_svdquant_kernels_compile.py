@@ -247,7 +247,7 @@ def test_grouped_quant_lowrank_kernel_compiles_for_sm90_without_fma(group, block
     assert block_m == (64 if group == 256 else 128) or block_m in (32, 64)
 
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "d_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "t_ptr": "*bf16",
-           "M": "i32", "K": "i32", "stride_xm": "i32",
+           "M": "i32", "K": "i32", "stride_xm": "i32", "stride_sm": "i32", "stride_sg": "i32",
            **dict.fromkeys(["RANK", "HAS_SMOOTH", "HAS_LR", "BLOCK_M", "GROUP", "WIDEN"], "constexpr")}
     consts = {"RANK": 32, "HAS_SMOOTH": True, "HAS_LR": True, "BLOCK_M": block_m, "GROUP": group, "WIDEN": False}
     kernel = triton.compile(ASTSource(fn=int8_grouped_quant_lowrank._int8_grouped_lowrank_kernel, signature=sig,
@@ -257,3 +257,59 @@ def test_grouped_quant_lowrank_kernel_compiles_for_sm90_without_fma(group, block
     assert "fma.rn.f32" not in ptx
     assert re.search(r"(wgmma\.mma_async|mma\.sync)[^;]*bf16", ptx)
     assert not re.search(r"cvt\.rzi\.s(8|16|32)\.f32", ptx)
+
+
+def _compile_grouped_w4a8(exact: bool, group: int = 128):
+    """The Gluon grouped W4A8 kernel at its default tile, compiled for sm_90 from CPU tensors' descriptors."""
+    import inspect
+
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from worldfoundry.core.acceleration.kernels import w4a8_gluon_grouped_kernels as kernels
+    from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import tma_descriptor
+    from worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped import DEFAULT_GROUPED_TILE as tile
+    from worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped import _scale_layout
+
+    m, n, k, rank = 512, 1024, 1536, 32
+    chunk = tile.lowrank_chunk(rank)
+    zeros = functools.partial(torch.zeros, dtype=torch.bfloat16)
+    args = {"x_desc": tma_descriptor(torch.zeros(m, k, dtype=torch.int8), [tile.block_t, tile.block_k]),
+            "w_desc": tma_descriptor(torch.zeros(n, k // 2, dtype=torch.int8), [tile.block_w, tile.block_k // 2]),
+            "s_desc": TensorDescriptor.from_tensor(torch.zeros(k // group, m), [1, tile.block_t], _scale_layout()),
+            "ws_ptr": zeros(n), "b_ptr": zeros(n), "t_desc": tma_descriptor(zeros(m, rank), [tile.block_t, chunk]),
+            "u_desc": tma_descriptor(zeros(n, rank), [tile.block_w, chunk]),
+            "out_desc": tma_descriptor(zeros(m, n), [tile.block_t, tile.block_w]), "M": m, "N": n, "K": k}
+    consts = {"W_SCALE_MUL": 0.0625, "LR_STEPS": rank // chunk, "HAS_BIAS": True, "STAGES": tile.stages,
+              "GROUP_T": tile.group_t, "INSTR_N": tile.instr_n(), "UNPACK": tile.unpack,
+              "GROUP_STEPS": group // tile.block_k, "EXACT": exact, "LOADER_REGS": kernels.GROUPED_LOADER_REGISTERS,
+              "num_warps": tile.warps}
+    params = list(inspect.signature(kernels.w4a8_grouped_kernel.fn).parameters)
+    sig = {p: "constexpr" if p in consts else mangle_type(args[p]) for p in params}
+    src = GluonASTSource(kernels.w4a8_grouped_kernel, sig, {(params.index(p),): v for p, v in consts.items()})
+    return triton.compile(src, target=HOPPER, options={"num_warps": tile.warps, "enable_fp_fusion": False})
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"), reason="the Gluon kernels are written for triton 3.6 "
+                    "(the GPU image's)")
+@pytest.mark.parametrize("exact", [True, False])
+def test_grouped_w4a8_keeps_int8_wgmma_asynchronous(exact, tmp_path):
+    """The grouped kernel's int8 ``wgmma`` stay asynchronous (one group in flight while the other accumulator is
+    promoted: ``ptxas`` does not serialise them, which it does when a non-``wgmma`` instruction writes an
+    accumulator inside a pipeline stage), each group's first MMA starts from zero, no slow int -> float conversion,
+    and FMAs only in the FMA variant."""
+    import pathlib
+    import subprocess
+
+    kernel = _compile_grouped_w4a8(exact)
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*\.s32\.s8\.s8", ptx) and "wgmma.wait_group.sync.aligned 1" in ptx
+    assert "cvt.rn.f32.s32" not in ptx
+    assert ("fma.rn.f32" in ptx) != exact
+    (tmp_path / "k.ptx").write_text(ptx)
+    ptxas = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+    run = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                          str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True)
+    assert "serialized" not in run.stdout + run.stderr, run.stdout + run.stderr

@@ -30,6 +30,8 @@ from worldfoundry.errors import QuantizationInputError
 
 #: Group widths the kernel takes (one chunk per group: a power of two, and at least ``tl.dot``'s 16).
 GROUPS: Final = (32, 64, 128, 256)
+#: The transposed scales' row pitch is a multiple of this many tokens (16 bytes: a TMA row pitch).
+SCALE_ROW_MULTIPLE: Final = 4
 #: Rows per program and warps on CUDA (16 rows under the interpreter): 128 rows for groups up to 128 channels, half
 #: that for groups of 256 (the same chunk size). H200, K 8,960, group 128: 0.345 ms per call in a CUDA graph at 128
 #: rows and 4 warps against 0.388 ms at 64 rows (``int8_lowrank_check.py --kernels grouped_quant_lowrank``).
@@ -51,8 +53,8 @@ if TRITON_AVAILABLE:
     from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import _piece_dot, _raw_piece, _smoothed
 
     @triton.jit
-    def _int8_grouped_lowrank_kernel(x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm,
-                                     RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_LR: tl.constexpr,
+    def _int8_grouped_lowrank_kernel(x_ptr, inv_ptr, d_ptr, q_ptr, s_ptr, t_ptr, M, K, stride_xm, stride_sm,
+                                     stride_sg, RANK: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_LR: tl.constexpr,
                                      BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDEN: tl.constexpr):
         """Rows ``pid * BLOCK_M ..``: per group, its maximum, scale and codes, and ``t`` from the same chunk."""
         pid = tl.program_id(0)
@@ -61,7 +63,7 @@ if TRITON_AVAILABLE:
         row_base = rows.to(tl.int64) * stride_xm
         out_base = rows.to(tl.int64) * K
         groups = K // GROUP
-        s_base = rows.to(tl.int64) * groups
+        s_base = rows.to(tl.int64) * stride_sm
         r = tl.arange(0, RANK)
         t = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
         for g in range(0, groups):
@@ -70,7 +72,7 @@ if TRITON_AVAILABLE:
             amax = tl.maximum(tl.max(tl.abs(xs), axis=1), 1e-12)
             rcp = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), amax)
             _store_codes(q_ptr, out_base, xs, rcp, mask, cols)
-            tl.store(s_ptr + s_base + g, tl.div_rn(amax, 127.0), mask=rmask)
+            tl.store(s_ptr + s_base + g * stride_sg, tl.div_rn(amax, 127.0), mask=rmask)
             if HAS_LR:
                 t = _piece_dot(raw, d_ptr, cols, K, r, t, WIDEN)
         if HAS_LR:
@@ -106,7 +108,8 @@ def _check(x2d: torch.Tensor, inv_smooth: torch.Tensor | None, lora_down: torch.
 
 def triton_quantize_rows_int8_grouped_lowrank(x2d: torch.Tensor, inv_smooth: torch.Tensor | None,
                                               lora_down: torch.Tensor | None, group: int, *,
-                                              block_m: int | None = None, num_warps: int | None = None
+                                              block_m: int | None = None, num_warps: int | None = None,
+                                              transposed_scales: bool = False
                                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """INT8 codes and scales per token and group of ``group`` channels, and ``t = bf16(x) @ D.T``, in one read.
 
@@ -119,6 +122,9 @@ def triton_quantize_rows_int8_grouped_lowrank(x2d: torch.Tensor, inv_smooth: tor
         block_m: rows per program, a power of two >= 16 (default :func:`default_block_m`; 16 under the
             interpreter).
         num_warps: warps per program (default :data:`DEFAULT_WARPS`).
+        transposed_scales: write the scales group-major, into a ``[K / group, P]`` buffer whose row pitch ``P`` is
+            ``M`` rounded up to :data:`SCALE_ROW_MULTIPLE` (what the Gluon grouped GEMM reads in place);
+            ``scale`` is then the ``[M, K / group]`` view of it with strides ``(1, P)``.
 
     Returns:
         ``(q int8 [M, K], scale float32 [M, K / group], t bfloat16 [M, r] or None)``; ``q`` and ``scale``
@@ -133,18 +139,23 @@ def triton_quantize_rows_int8_grouped_lowrank(x2d: torch.Tensor, inv_smooth: tor
         raise QuantizationInputError(f"quantize_rows_int8_grouped_lowrank: block_m {bm} must be a power of two "
                                      ">= 16")
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
-    scale = torch.empty((m, k // group), dtype=torch.float32, device=x2d.device)
+    if transposed_scales:
+        pitch = -(-max(m, 1) // SCALE_ROW_MULTIPLE) * SCALE_ROW_MULTIPLE
+        scale = torch.empty((k // group, pitch), dtype=torch.float32, device=x2d.device)[:, :m].t()
+    else:
+        scale = torch.empty((m, k // group), dtype=torch.float32, device=x2d.device)
     t = torch.empty((m, rank), dtype=torch.bfloat16, device=x2d.device) if rank else None
     if m == 0:
         return q, scale, t
     _int8_grouped_lowrank_kernel[(triton.cdiv(m, bm),)](
         x2d, inv_smooth if inv_smooth is not None else scale, lora_down if rank else x2d, q, scale,
-        t if rank else q, m, k, x2d.stride(0), RANK=rank or 16, HAS_SMOOTH=inv_smooth is not None,
-        HAS_LR=bool(rank), BLOCK_M=bm, GROUP=group, WIDEN=x2d.device.type != "cuda",
+        t if rank else q, m, k, x2d.stride(0), scale.stride(0), scale.stride(1), RANK=rank or 16,
+        HAS_SMOOTH=inv_smooth is not None, HAS_LR=bool(rank), BLOCK_M=bm, GROUP=group, WIDEN=x2d.device.type != "cuda",
         num_warps=num_warps or DEFAULT_WARPS,
         enable_fp_fusion=False,  # x * rcp must round before the rounding addition (no FMA)
     )
     return q, scale, t
 
 
-__all__ = ["DEFAULT_BLOCK_M", "DEFAULT_WARPS", "GROUPS", "default_block_m", "triton_quantize_rows_int8_grouped_lowrank"]
+__all__ = ["DEFAULT_BLOCK_M", "DEFAULT_WARPS", "GROUPS", "SCALE_ROW_MULTIPLE", "default_block_m",
+           "triton_quantize_rows_int8_grouped_lowrank"]

@@ -38,6 +38,7 @@ from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_qua
 from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import GROUPS as GROUPED_QUANT_GROUPS
 from worldfoundry.core.acceleration.kernels.int8_grouped_quant_lowrank import triton_quantize_rows_int8_grouped_lowrank
 from worldfoundry.core.acceleration.kernels.w4a8_gemm import CHANNEL_ACT_GROUPS, triton_w4a8_gemm, triton_w4a16_gemm
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped import GLUON_ACT_GROUPS, gluon_w4a8_grouped_gemm
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_kernels import GLUON_AVAILABLE
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import check_row_max, gluon_w4a8_persistent_gemm
 from worldfoundry.core.acceleration.kernels.w4f8_scaled_mm import ScaledMMWeight, prepare_scaled_mm, scaled_mm_w4f8
@@ -238,7 +239,8 @@ def _w4a8(x2d: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, 
 
 def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor | None, group: int,
                          choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
-    """The W4A8 Linear with activation scales per token and group: the reference, or the Triton group-wise GEMM."""
+    """The W4A8 Linear with activation scales per token and group: the reference, or the grouped quantizer and
+    :func:`grouped_gemm_from_codes`."""
     if choice.backend == "reference":
         return w4a8_linear_reference(x, weight, bias, act_group=group), choice
     takes = group in CHANNEL_ACT_GROUPS if weight.group_size == PER_CHANNEL else weight.group_size == group
@@ -250,13 +252,36 @@ def _grouped_activations(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Te
     x2d = x.reshape(-1, weight.in_features)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    if group in GROUPED_QUANT_GROUPS:  # codes, scales and t from one read of x
-        q, scale, t = triton_quantize_rows_int8_grouped_lowrank(x2d, weight.inv_smooth, weight.lora_down, group)
+    if group in GROUPED_QUANT_GROUPS:  # codes, scales and t from one read of x (scales as the Gluon GEMM reads them)
+        q, scale, t = triton_quantize_rows_int8_grouped_lowrank(x2d, weight.inv_smooth, weight.lora_down, group,
+                                                                transposed_scales=_gluon_grouped(x.device, weight))
     else:
         q, scale = quantize_rows_int8_grouped(x2d, weight.inv_smooth, group)
         t = lowrank_down(x2d, weight)
-    out = triton_w4a8_gemm(q, scale, weight, t, bias, out_dtype=x.dtype)
+    out, choice = grouped_gemm_from_codes(q, scale, weight, t, bias, x.dtype, choice)
     return out.reshape(*x.shape[:-1], weight.out_features), choice
+
+
+def _gluon_grouped(device: torch.device, weight: SVDQuantWeight) -> bool:
+    """Whether the Gluon grouped GEMM can take this weight on ``device`` (per channel, a Hopper GPU, Gluon)."""
+    return weight.group_size == PER_CHANNEL and _hopper(device) and GLUON_AVAILABLE and not interpreter_enabled()
+
+
+def grouped_gemm_from_codes(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
+                            bias: torch.Tensor | None, out_dtype: torch.dtype,
+                            choice: BackendChoice) -> tuple[torch.Tensor, BackendChoice]:
+    """The W4A8 GEMM of codes with scales per token and group (``scale [M, K / group]``): the Gluon grouped kernel
+    for per-channel weights and groups of 64-256 on a Hopper GPU, else the Triton one (a Gluon refusal is named in
+    the reason)."""
+    reason = choice.reason
+    if _gluon_grouped(q.device, weight) and weight.in_features // max(scale.shape[1], 1) in GLUON_ACT_GROUPS:
+        try:
+            out = gluon_w4a8_grouped_gemm(q, scale, weight, t, bias)
+            return out.to(out_dtype), BackendChoice(W4A8_GLUON, reason)
+        except QuantizationInputError as exc:  # operands outside the kernel's shapes
+            reason = reason or f"gluon w4a8 refused: {exc}"
+    out = triton_w4a8_gemm(q, scale.contiguous(), weight, t, bias, out_dtype=out_dtype)
+    return out, BackendChoice("w4a8", reason)
 
 
 def w4a8_gemm_from_codes(q: torch.Tensor, scale: torch.Tensor, weight: SVDQuantWeight, t: torch.Tensor | None,
@@ -310,6 +335,7 @@ __all__ = [
     "W4A8_GLUON",
     "BackendChoice",
     "choose_backend",
+    "grouped_gemm_from_codes",
     "lowrank_down",
     "pad_rank",
     "w4a8_gemm_from_codes",
