@@ -125,7 +125,7 @@ def transposed_scales(scale: torch.Tensor) -> torch.Tensor:
     :data:`SCALE_ROW_MULTIPLE` tokens): the tensor itself when it already is one, else a padded copy."""
     m, groups = scale.shape
     pitch = scale.stride(1)
-    if scale.stride(0) == 1 and pitch >= m and pitch % SCALE_ROW_MULTIPLE == 0 or groups == 1 and m == 1:
+    if scale.stride(0) == 1 and pitch >= m and pitch % SCALE_ROW_MULTIPLE == 0:
         return scale.t()
     padded = -(-max(m, 1) // SCALE_ROW_MULTIPLE) * SCALE_ROW_MULTIPLE
     rows = torch.zeros((groups, padded), dtype=torch.float32, device=scale.device)

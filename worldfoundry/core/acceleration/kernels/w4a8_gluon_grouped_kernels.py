@@ -7,15 +7,17 @@ SM, a loader warp filling a TMA ring, the INT4 weights unpacked into the ``wgmma
 ``[BLOCK_W outputs, BLOCK_T tokens]`` of ``out.T``, the low-rank term as a bfloat16 ``wgmma`` onto the float32 tile,
 the TMA store left in flight), with the scaling moved into the main loop:
 
-* **two int32 accumulators** take the groups in turn. Each starts at the bits of the float ``1.5 * 2**23``
-  (``0x4B400000``), so a group's integer sum ``P`` (``|P| <= 16 * 8 * 127 * 256 < 2**22``) lands in the float's
-  mantissa: ``float32 bits - 1.5 * 2**23`` is ``float32(P)`` exactly, with one float subtraction and no
-  quarter-rate ``cvt``;
+* **two int32 accumulators** take the groups in turn. A group's integer sum ``P`` (``|P| <= 16 * 8 * 127 * 256 <
+  2**22``) plus the bits of the float ``1.5 * 2**23`` (``0x4B400000``) is that float plus ``P``, so subtracting
+  ``1.5 * 2**23`` gives ``float32(P)`` exactly: an integer and a float addition instead of the quarter-rate
+  ``cvt``;
 * **promotion off the tensor cores' path**: the first MMA of group ``g + 1`` is issued into the other accumulator
-  before group ``g``'s is read; ``warpgroup_mma_wait(1)`` then retires group ``g``'s last MMA only, and its
-  promotion (``acc_f = acc_f + (float(P) * s_x[:, g])``, three float operations per element, no FMA so the roundings
-  are the reference's) runs on the CUDA cores while group ``g + 1``'s MMAs run; the accumulator is reset to the
-  bias bits for group ``g + 2``;
+  before group ``g``'s is read; ``warpgroup_mma_wait(1)`` then retires group ``g``'s last MMA only, the second MMA
+  of group ``g + 1`` is issued, and group ``g``'s promotion (``acc_f = acc_f + (float(P) * s_x[:, g])``: one
+  integer and three float operations per element, no FMA so the roundings are the reference's; or an FMA,
+  ``EXACT=False``) runs on the CUDA cores while those two MMAs run. Each group's first MMA ignores what the
+  accumulator holds (``use_acc=False``): ``ptxas`` serialises every ``wgmma`` when another instruction writes an
+  accumulator register inside a pipeline stage, so the accumulator is never reset by hand;
 * **the scales come with the data**: the loader copies the row ``s_x[g, tokens of the tile]`` of the transposed
   scales ``[G, M]`` (float32, rows 16-byte aligned) into the ring slot with each K step; group ``g`` is promoted
   from the slot of its last K step, which is released only after the promotion.
@@ -117,14 +119,21 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _group(x_bufs, w_bufs, s_bufs, ready, empty, acc, other, acc_f, it, acc_layout: gl.constexpr,
                STAGES: gl.constexpr, UNPACK: gl.constexpr, GROUP_STEPS: gl.constexpr, EXACT: gl.constexpr):
-        """One group's ``GROUP_STEPS`` K steps into ``acc`` from ring counter ``it``; after the first is issued the
-        previous group's accumulator ``other`` is retired, promoted into ``acc_f`` and its last slot released."""
+        """One group's ``GROUP_STEPS`` K steps into ``acc`` from ring counter ``it``. The first is issued, which
+        retires the previous group's accumulator ``other`` (``wait(1)``); with two or more steps the second is
+        issued too (its operand's registers are those of ``other``'s last step, retired), so the promotion of
+        ``other`` into ``acc_f`` runs beside two MMAs; then ``other``'s last slot (its scale row) is released."""
         acc = _mma(x_bufs, w_bufs, ready, acc, it, acc_layout, STAGES, UNPACK, True)
         acc, other = warpgroup_mma_wait(1, deps=(acc, other))
         last = (it + STAGES - 1) % STAGES
+        if GROUP_STEPS > 1:
+            acc = _mma(x_bufs, w_bufs, ready, acc, it + 1, acc_layout, STAGES, UNPACK, False)
         acc_f = _promote(acc_f, other, s_bufs, last, acc_layout, EXACT)
         _release(empty, last)
-        for j in gl.static_range(1, GROUP_STEPS):
+        if GROUP_STEPS > 1:
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            _release(empty, it % STAGES)
+        for j in gl.static_range(2 if GROUP_STEPS > 1 else 1, GROUP_STEPS):
             acc = _mma(x_bufs, w_bufs, ready, acc, it + j, acc_layout, STAGES, UNPACK, False)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             _release(empty, (it + j + STAGES - 1) % STAGES)
