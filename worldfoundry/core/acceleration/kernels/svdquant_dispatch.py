@@ -180,8 +180,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         fast_accum: W4F8 only: ``torch._scaled_mm``'s fast accumulation.
         one_launch: W4F8 only: the activation operand (codes and appended low-rank codes) in one launch.
         act_group: INT8 activation scales per token and group of this many input channels instead of per token
-            (the reference, or W4A8 with group-wise weights of that group size: the Triton GEMM); other
-            backends refuse it.
+            (the reference, or W4A8: group-wise weights of that group size on the Triton GEMM, per-channel weights
+            and groups of 128 or 256 on :func:`grouped_gemm_from_codes`); other backends refuse it.
         row_max: W4A8 only: float32 ``[M]`` (``M`` rows of ``x``) into which each output row's largest value,
             floored at 0, is merged (pass zeros): the persistent GEMM's epilogue writes it, the Triton GEMM's output
             is reduced after it. The FFN producer fusion reads it (one pass over the output).

@@ -33,9 +33,9 @@ from typing import Any, Final
 
 import torch
 
-from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import MAX_BOX, check_gluon_operands, require_hopper, \
-    tma_descriptor
-from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import TileShape
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import check_gluon_operands, require_hopper, tma_descriptor
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import TileShape, _sm_count
+from worldfoundry.core.acceleration.kernels.w4a8_gluon_persistent import _tile_problem as persistent_tile_problem
 from worldfoundry.core.acceleration.quantization.int4_packing import PER_CHANNEL
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 from worldfoundry.errors import QuantizationInputError
@@ -87,15 +87,10 @@ class GroupedTile(TileShape):
 
 
 def _tile_problem(tile: GroupedTile) -> str:
-    """What is wrong with ``tile`` (empty when nothing)."""
-    if tile.block_w not in (64, 128, 256) or tile.block_k not in (64, 128, 256):
-        return "block_w and block_k must be 64, 128 or 256"
-    if not 32 <= tile.block_t <= MAX_BOX or tile.block_t % 16:
-        return "block_t must be a multiple of 16 in [32, 256]"
-    if tile.warps not in (4, 8) or not 2 <= tile.stages <= 8 or tile.group_t < 1 or tile.unpack not in (0, 1):
-        return "warps must be 4 or 8, stages 2..8, group_t >= 1, unpack 0 or 1"
-    if tile.block_w < 16 * tile.warps:
-        return f"block_w must give each of the {tile.warps} consumer warps 16 rows"
+    """What is wrong with ``tile`` (empty when nothing): the persistent kernel's limits, then three accumulators."""
+    bad = persistent_tile_problem(tile)  # type: ignore[arg-type]
+    if bad:
+        return bad
     if not isinstance(tile.exact, bool):
         return "exact must be True or False"
     if 3 * tile.block_w * tile.block_t > MAX_ACC_REGISTERS * 32 * tile.warps:
@@ -105,11 +100,6 @@ def _tile_problem(tile: GroupedTile) -> str:
 
 #: Default: three 64-register accumulators per thread of two consumer warpgroups, six ring slots.
 DEFAULT_GROUPED_TILE: Final = GroupedTile()
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @functools.lru_cache(maxsize=1)

@@ -363,7 +363,7 @@ def w4a8_linear_reference(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.T
         weight: the decomposed weight, on ``x``'s device.
         bias: optional ``[N]``.
         act_group: one activation scale per token and group of this many input channels
-            (:func:`int4_gemm_reference_grouped`; no GPU kernel computes it yet) instead of one per token.
+            (:func:`int4_gemm_reference_grouped`) instead of one per token.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype (float32 math).
