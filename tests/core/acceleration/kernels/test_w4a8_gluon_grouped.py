@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_gemm import HOPPER_SMEM_BYTES
 from worldfoundry.core.acceleration.kernels.w4a8_gluon_grouped import (
@@ -77,6 +79,25 @@ def test_transposed_scales_in_place_or_copied() -> None:
     assert torch.equal(rows, plain.t()) and rows.stride() == (8, 1)
     odd = torch.rand(6, 3)[:, :2]  # neither layout
     assert torch.equal(transposed_scales(odd), odd.t()) and transposed_scales(odd).stride(0) % 4 == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 40), groups=st.integers(1, 6),
+       layout=st.sampled_from(["rows", "columns", "sliced", "offset"]))
+def test_transposed_scales_are_the_values_at_an_aligned_pitch(m, groups, layout) -> None:
+    """Whatever the layout of ``scale [M, G]``, the kernel's view is ``scale.t()`` value for value, unit stride
+    along the tokens and a row pitch of a multiple of 4 tokens (a 16-byte TMA pitch)."""
+    values = torch.arange(m * groups, dtype=torch.float32).reshape(m, groups)
+    if layout == "columns":  # group-major storage with a pitch of M (aligned or not)
+        values = values.t().contiguous().t()
+    elif layout == "sliced":
+        values = torch.cat([values, values], 1)[:, :groups]
+    elif layout == "offset":  # group-major with an aligned pitch, but starting one token in (4 bytes off)
+        pad = torch.zeros(groups, 7 - (m + 1) % 4)
+        values = torch.cat([torch.zeros(groups, 1), values.t(), pad], 1)[:, 1:m + 1].t()
+    rows = transposed_scales(values)
+    assert torch.equal(rows, values.t()) and rows.stride(1) == 1 and rows.stride(0) % 4 == 0
+    assert rows.data_ptr() % 16 == 0
 
 
 def test_checks_accept_valid_operands() -> None:

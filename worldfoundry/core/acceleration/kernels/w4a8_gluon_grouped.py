@@ -111,11 +111,11 @@ def _scale_layout() -> Any:
 
 
 def transposed_scales(scale: torch.Tensor) -> torch.Tensor:
-    """``scale [M, G]`` as the ``[G, M]`` view the kernel reads (row pitch a multiple of
+    """``scale [M, G]`` as the ``[G, M]`` view the kernel reads (16-byte aligned, row pitch a multiple of
     :data:`SCALE_ROW_MULTIPLE` tokens): the tensor itself when it already is one, else a padded copy."""
     m, groups = scale.shape
     pitch = scale.stride(1)
-    if scale.stride(0) == 1 and pitch >= m and pitch % SCALE_ROW_MULTIPLE == 0:
+    if scale.stride(0) == 1 and pitch >= m and pitch % SCALE_ROW_MULTIPLE == 0 and scale.data_ptr() % 16 == 0:
         return scale.t()
     padded = -(-max(m, 1) // SCALE_ROW_MULTIPLE) * SCALE_ROW_MULTIPLE
     rows = torch.zeros((groups, padded), dtype=torch.float32, device=scale.device)
