@@ -93,7 +93,7 @@ def test_transposed_scales_are_the_values_at_an_aligned_pitch(m, groups, layout)
     elif layout == "sliced":
         values = torch.cat([values, values], 1)[:, :groups]
     elif layout == "offset":  # group-major with an aligned pitch, but starting one token in (4 bytes off)
-        pad = torch.zeros(groups, 7 - (m + 1) % 4)
+        pad = torch.zeros(groups, (4 - (m + 1) % 4) % 4)  # the pitch, 1 + m + pad, a multiple of 4
         values = torch.cat([torch.zeros(groups, 1), values.t(), pad], 1)[:, 1:m + 1].t()
     rows = transposed_scales(values)
     assert torch.equal(rows, values.t()) and rows.stride(1) == 1 and rows.stride(0) % 4 == 0
