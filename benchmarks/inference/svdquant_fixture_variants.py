@@ -3,8 +3,9 @@
 Each variant calibrates an artifact for ``blocks.*.ffn.0`` / ``blocks.*.ffn.2`` (seeds 11/12, the recipe's own
 prompts) with ``worldfoundry calibrate svdquant`` and its flags, then ``worldfoundry bench --quality-only`` runs
 all of them on the evaluation seeds 42/43 with INT8 activations (``backend: reference``, the torch reference of
-the W4A8 numerics), against the draft budget (latent rel L2 <= 0.12, PSNR >= 27 dB, min SSIM >= 0.89). Prints one
-row per variant and writes the bench's ``results.json`` / ``report.md`` under ``--out``.
+the W4A8 numerics; ``--backends w4f8`` adds the FP8-activation numerics, ``--activation-groups 128`` INT8
+scales per token and group of 128), against the draft budget (latent rel L2 <= 0.12, PSNR >= 27 dB, min SSIM
+>= 0.89). Prints one row per variant and writes the bench's ``results.json`` / ``report.md`` under ``--out``.
 
     python benchmarks/inference/svdquant_fixture_variants.py --out /tmp/svdquant-variants      # ~1 min per variant
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq g64-r64-gptq
@@ -44,6 +45,19 @@ VARIANTS: dict[str, list[str]] = {
                                      "--rounding", "gptq", "--lowrank-fit", "whitened", "--refine", "4"],
     "ch-r32-gptq-whitened-refine4": ["--rank", "32", "--group-size", "channel", "--unsmoothed", "blocks.*",
                                      "--rounding", "gptq", "--lowrank-fit", "whitened", "--refine", "4"],
+    # GPTQ in act order (columns by decreasing input mean square) with scales searched per group
+    "ch-r64-gptqo": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding",
+                     "gptq-ordered"],
+    "ch-r32-gptqo": ["--rank", "32", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding",
+                     "gptq-ordered"],
+    "ch-r32-gptqo-a50": ["--rank", "32", "--group-size", "channel", "--alpha", "0.5", "--rounding", "gptq-ordered"],
+    "g64-r32-gptqo": ["--rank", "32", "--group-size", "64", "--unsmoothed", "blocks.*", "--rounding",
+                      "gptq-ordered"],
+    "ch-gptqo-rtn": ["--method", "rtn", "--group-size", "channel", "--rounding", "gptq-ordered"],
+    # the same method (rank 64, per channel, GPTQ) calibrated on other seed pairs (never 42/43): how far the
+    # evaluation's metrics move with the calibration data alone
+    **{f"ch-r64-gptq-c{a}{a + 1}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                     "--rounding", "gptq", "--seeds", str(a), str(a + 1)] for a in (13, 15, 17, 19)},
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
@@ -54,6 +68,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="./bench_out/svdquant-variants")
     parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
+    parser.add_argument("--backends", nargs="+", choices=["reference", "w4f8"], default=["reference"],
+                        help="numerics each artifact is benched with: W4A8 (INT8 activations) and/or W4F8 (FP8)")
+    parser.add_argument("--activation-groups", nargs="+", choices=["token", "64", "128"], default=["token"],
+                        help="INT8 activation scales per token, or per token and group of 64 / 128 (W4A8 only)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -66,9 +84,15 @@ def main() -> int:
         if done.returncode != 0:
             print(f"{name}: calibration failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
             continue
-        candidates.append({"name": name, "accelerations": {"svdquant": {"artifact": str(artifact),
-                                                                        "backend": "reference"}},
-                           "notes": "calibrate flags: " + " ".join(VARIANTS[name])})
+        for backend in args.backends:
+            for group in args.activation_groups if backend == "reference" else ["token"]:
+                options = {"artifact": str(artifact), "backend": backend}
+                if group != "token":
+                    options["activation_group"] = int(group)
+                suffix = ("" if backend == "reference" else f"@{backend}") + \
+                    ("" if group == "token" else f"@act{group}")
+                candidates.append({"name": name + suffix, "accelerations": {"svdquant": options},
+                                   "notes": "calibrate flags: " + " ".join(VARIANTS[name])})
     spec = {"model": "tiny-wan2.1-trained", "workload": WORKLOAD, "quality_budget": BUDGET,
             "timing": {"rounds": 3}, "candidates": candidates}
     (out / "candidates.json").write_text(json.dumps(spec, indent=1))

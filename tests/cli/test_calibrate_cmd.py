@@ -109,3 +109,25 @@ def test_calibrate_refuses_a_bad_refine_before_running_requests(tmp_path: Path, 
     err = capsys.readouterr().err
     assert rc == 1 and "--refine must be an integer in [0, 16], got 17" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "a.json").exists()
+
+
+def test_calibrate_with_ordered_gptq_rounding_records_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "o.json"
+    rc = main(["calibrate", "--json", "svdquant", "--recipe", "tiny-wan2.1", "--random-weights", "--frames", "5",
+               "--steps", "2", "--rank", "8", "--rounding", "gptq-ordered", "--out",
+               str(out)])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["rounding"] == "gptq-ordered"
+    assert load_svdquant_artifact(out).manifest["calibration"]["rounding"] == "gptq-ordered"
+
+
+def test_the_rounding_choices_are_the_numerics_ones() -> None:
+    import argparse  # noqa: PLC0415
+
+    from worldfoundry.cli.calibrate_cmd import add_svdquant_arguments  # noqa: PLC0415
+    from worldfoundry.core.acceleration.quantization.svdquant_numerics import ROUNDINGS  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_svdquant_arguments(parser)
+    rounding = next(a for a in parser._actions if a.dest == "rounding")  # noqa: SLF001
+    assert tuple(rounding.choices) == ROUNDINGS

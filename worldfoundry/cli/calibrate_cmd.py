@@ -58,9 +58,11 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
                    help="included Linears decomposed without smoothing (e.g. 'blocks.*.ffn.2': with FP8 "
                         "activations their quantizer then skips the per-channel 1/lambda)")
     p.add_argument("--svd", choices=["full", "randomized"], default="full")
-    p.add_argument("--rounding", choices=["nearest", "gptq"], default="nearest",
+    p.add_argument("--rounding", choices=["nearest", "gptq", "gptq-ordered"], default="nearest",
                    help="INT4 residual rounded to nearest, or with GPTQ's error compensation under the calibration "
-                        "inputs' second moments (K^2 floats per Linear collected; same artifact format)")
+                        "inputs' second moments (K^2 floats per Linear collected; same artifact format); "
+                        "gptq-ordered: columns in decreasing order of their inputs' mean square, with scales "
+                        "searched per group")
     p.add_argument("--lowrank-fit", choices=["svd", "whitened"], default="svd",
                    help="low-rank pair from the SVD of the smoothed weight, or the pair that least changes the "
                         "calibration outputs (whitened by the inputs' second moments)")

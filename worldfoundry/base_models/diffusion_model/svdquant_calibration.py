@@ -34,7 +34,12 @@ from worldfoundry.base_models.diffusion_model.optimizations.projection_selection
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
 from worldfoundry.core.acceleration.quantization.svdquant_artifact import ARTIFACT_FORMAT, METHODS
-from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight, decompose, weight_rel_error
+from worldfoundry.core.acceleration.quantization.svdquant_numerics import (
+    ROUNDINGS,
+    SVDQuantWeight,
+    decompose,
+    weight_rel_error,
+)
 from worldfoundry.errors import AccelerationRefusedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,6 @@ CALIBRATION_PROMPTS: Final = ("a blue circle bouncing", "a green bar moving up")
 CALIBRATION_SEEDS: Final = (11, 12)
 EVALUATION_SEEDS: Final = (42, 43)
 #: How the INT4 residual is rounded: to nearest, or with GPTQ's error compensation under the inputs' moments.
-ROUNDINGS: Final = ("nearest", "gptq")
 
 
 def select_for_calibration(model: nn.Module, include: Sequence[str]) -> list[SelectedLinear]:
@@ -141,8 +145,8 @@ def build_svdquant_artifact(
         observer: the observer whose call/row counts are recorded per Linear.
         unsmoothed: patterns (as ``include``) of selected Linears decomposed without smoothing (FP8 activations
             need smoothing less than INT8 ones; at run time their quantizer skips the per-channel ``1/λ``).
-        rounding: ``"nearest"`` or ``"gptq"`` (error-compensating rounding of the INT4 residual under the inputs'
-            second moments: the ``observer`` needs ``second_moments=True``).
+        rounding: one of ``ROUNDINGS`` (the GPTQ forms round under the inputs' second moments: the ``observer``
+            needs ``second_moments=True``).
         lowrank_fit, refine: low-rank fit and refinement steps (``lowrank_fit`` module; need the moments).
 
     Returns:
@@ -185,7 +189,7 @@ def build_svdquant_artifact(
 
 def needs_moments(rounding: str, lowrank_fit: str = "svd", refine: int = 0) -> bool:
     """Whether the decomposition needs the inputs' second moments ``X^T X`` (``K^2`` floats per Linear)."""
-    return rounding == "gptq" or lowrank_fit != "svd" or bool(refine)
+    return rounding != "nearest" or lowrank_fit != "svd" or bool(refine)
 
 
 def _check_settings(method: str, rounding: str, observer: InputAbsmaxObserver | None, lowrank_fit: str,

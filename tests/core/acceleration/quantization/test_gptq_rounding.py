@@ -15,7 +15,11 @@ from worldfoundry.base_models.diffusion_model.svdquant_calibration import (
     build_svdquant_artifact,
     select_for_calibration,
 )
-from worldfoundry.core.acceleration.quantization.gptq_rounding import gptq_quantize_int4, smoothed_hessian
+from worldfoundry.core.acceleration.quantization.gptq_rounding import (
+    gptq_quantize_int4,
+    searched_scales,
+    smoothed_hessian,
+)
 from worldfoundry.core.acceleration.quantization.int4_packing import (
     dequantize_int4_groupwise,
     quantize_int4_groupwise,
@@ -119,3 +123,90 @@ def test_calibration_collects_moments_records_the_rounding_and_refuses_without_t
     assert manifest["calibration"]["rounding"] == "gptq"
     art = load_svdquant_artifact(save_svdquant_artifact(manifest, tensors, tmp_path / "g.json"))
     assert set(art.linears) == {"0", "2"}
+
+
+def _heterogeneous(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Correlated inputs whose channels differ in magnitude by up to e^3 (as activations do)."""
+    g = torch.Generator().manual_seed(seed)
+    return _correlated(rows, k, seed) * torch.exp(1.5 * torch.randn(k, generator=g))
+
+
+@pytest.mark.parametrize("group", [64, 0])
+def test_ordered_rounding_keeps_the_format_and_lowers_the_output_error_further(group: int) -> None:
+    x = _heterogeneous(4096, 256, seed=21)
+    w = torch.randn(192, 256, generator=torch.Generator().manual_seed(4)) / 16
+    w[:, :3] *= 6  # a few large input columns, which set absmax scales
+    h = x.t() @ x
+    packed, scales = gptq_quantize_int4(w, h, group, ordered=True)
+    plain_packed, plain_scales = gptq_quantize_int4(w, h, group)
+    assert packed.shape == plain_packed.shape and scales.shape == plain_scales.shape
+    assert scales.dtype == torch.bfloat16
+    codes = unpack_int4(packed, group)
+    assert int(codes.min()) >= -8 and int(codes.max()) <= 7
+    ordered = _output_error(x, w, packed, scales, group)
+    plain = _output_error(x, w, plain_packed, plain_scales, group)
+    assert ordered < 0.8 * plain, (ordered, plain)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), groups=st.integers(1, 3), per_channel=st.booleans(), seed=st.integers(0, 10_000))
+def test_searched_scales_are_never_worse_than_absmax(n: int, groups: int, per_channel: bool, seed: int) -> None:
+    """Per output feature and group, the searched scale's weighted round-to-nearest error is at most absmax's
+    (1.0 is among the fractions tried), and every scale is a fraction in [0.6, 1] of absmax / 7."""
+    k = 128 * groups
+    group = 0 if per_channel else 64
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(k, generator=g))
+    importance = torch.rand(k, generator=g)
+    searched = searched_scales(w, importance, group)
+    absmax = quantize_int4_groupwise(w, group)[1]
+    assert searched.shape == absmax.shape and searched.dtype == torch.bfloat16
+
+    def weighted_error(scales: torch.Tensor) -> torch.Tensor:
+        width = k // scales.shape[0]
+        s = scales.float().t().repeat_interleave(width, dim=1)
+        q = torch.round(w / s).clamp(-8, 7)
+        return ((w - q * s).square() * importance).reshape(n, scales.shape[0], width).sum(-1)
+
+    assert bool((weighted_error(searched) <= weighted_error(absmax) * (1 + 1e-6) + 1e-12).all())
+    ratio = searched.float() / absmax.float()
+    assert bool((ratio > 0.59).all()) and bool((ratio < 1.01).all())
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 16), groups=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_ordered_rounding_with_uncorrelated_equal_inputs_is_nearest_under_the_searched_scales(
+        n: int, groups: int, seed: int) -> None:
+    """``H = I``: the order is the identity, no error moves, so the codes are round-to-nearest's under the
+    searched scales."""
+    k = 64 * groups
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    packed, scales = gptq_quantize_int4(w, torch.eye(k), 64, ordered=True)
+    assert torch.equal(scales, searched_scales(w, torch.ones(k), 64))
+    expected = torch.round(w / scales.float().t().repeat_interleave(64, dim=1)).clamp(-8, 7).to(torch.int8)
+    assert torch.equal(unpack_int4(packed, 64), expected)
+
+
+def test_calibration_records_the_ordered_rounding(tmp_path) -> None:
+    model = _model()
+    selected = select_for_calibration(model, ["0", "2"])
+    with InputAbsmaxObserver(selected, second_moments=True) as obs:
+        model(torch.randn(32, 64))
+    with pytest.raises(InvalidRequestError, match="second moments"):
+        with InputAbsmaxObserver(selected) as plain:
+            model(torch.randn(4, 64))
+        build_svdquant_artifact(model, selected, plain.absmax, rank=8, group_size=64, observer=plain,
+                                rounding="gptq-ordered")
+    manifest, tensors = build_svdquant_artifact(model, selected, obs.absmax, rank=8, group_size=64, observer=obs,
+                                                include=["0", "2"], rounding="gptq-ordered")
+    assert manifest["calibration"]["rounding"] == "gptq-ordered"
+    art = load_svdquant_artifact(save_svdquant_artifact(manifest, tensors, tmp_path / "o.json"))
+    assert set(art.linears) == {"0", "2"}
+
+
+def test_decompose_names_the_roundings_it_takes() -> None:
+    w = torch.randn(16, 128)
+    with pytest.raises(QuantizationInputError, match="gptq-ordered"):
+        decompose(w, rank=4, group_size=64, rounding="ordered", hessian=torch.eye(128))
+    with pytest.raises(QuantizationInputError, match="second moments"):
+        decompose(w, rank=4, group_size=64, rounding="gptq-ordered")

@@ -64,6 +64,8 @@ SMOOTH_MAX: Final = 1e4
 #: Floor of the statistics the smoothing rule divides by / raises to a power.
 STAT_FLOOR: Final = 1e-5
 SVD_METHODS: Final = ("full", "randomized")
+#: Roundings of the INT4 residual (``gptq_rounding``): to nearest, GPTQ left to right, GPTQ in act order.
+ROUNDINGS: Final = ("nearest", "gptq", "gptq-ordered")
 #: Dtype of the low-rank factors.
 LOWRANK_DTYPE: Final = torch.bfloat16
 
@@ -186,7 +188,8 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         seed: seed of the randomized SVD.
         hessian: the calibration inputs' second moments ``X^T X`` ``[K, K]`` (taken under the smoothing).
         rounding: ``"gptq"`` (error compensation under ``hessian``,
-            :mod:`~worldfoundry.core.acceleration.quantization.gptq_rounding`) or ``"nearest"``; ``None``: GPTQ
+            :mod:`~worldfoundry.core.acceleration.quantization.gptq_rounding`), ``"gptq-ordered"`` (the same in
+            decreasing order of ``hessian``'s diagonal, with searched scales) or ``"nearest"``; ``None``: GPTQ
             when ``hessian`` is given. Same codes and scales format.
         lowrank_fit: ``"svd"`` (SVD of the smoothed weight) or ``"whitened"`` (the pair that least changes the
             calibration outputs, :mod:`~worldfoundry.core.acceleration.quantization.lowrank_fit`; needs ``hessian``).
@@ -203,9 +206,9 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
 
     _check_decompose(weight, rank, svd)
     rounding = ("gptq" if hessian is not None else "nearest") if rounding is None else rounding
-    if rounding not in ("nearest", "gptq") or (rounding == "gptq" and hessian is None):
-        raise QuantizationInputError(f"decompose: rounding {rounding!r} must be 'nearest' or 'gptq' (gptq needs the "
-                                     "inputs' second moments)")
+    if rounding not in ROUNDINGS or (rounding != "nearest" and hessian is None):
+        raise QuantizationInputError(f"decompose: rounding {rounding!r} must be one of {list(ROUNDINGS)} (gptq needs "
+                                     "the inputs' second moments)")
     fit.check_fit(lowrank_fit, refine, hessian is not None, rank)
     w = weight.detach().float()
     smooth = inv_smooth = None
@@ -218,26 +221,27 @@ def decompose(weight: torch.Tensor, *, rank: int, group_size: int, act_absmax: t
         from worldfoundry.core.acceleration.quantization.gptq_rounding import smoothed_hessian
 
         moments = (hessian if smooth is None else smoothed_hessian(hessian, smooth)).to(w.device)
-    down, up, qweight, scales = _fit_and_round(w, rank, group_size, smooth, moments, rounding == "gptq",
+    down, up, qweight, scales = _fit_and_round(w, rank, group_size, smooth, moments, rounding,
                                                lowrank_fit, refine, svd, seed)
     return SVDQuantWeight(qweight, scales, group_size, inv_smooth, down, up)
 
 
 def _fit_and_round(w: torch.Tensor, rank: int, group_size: int, smooth: torch.Tensor | None,
-                   moments: torch.Tensor | None, gptq: bool, lowrank_fit: str, refine: int, svd: str,
+                   moments: torch.Tensor | None, rounding: str, lowrank_fit: str, refine: int, svd: str,
                    seed: int) -> tuple:
     """``(down, up, qweight, scales)`` of the smoothed weight ``w``: the first split, then ``refine`` refits of
     the pair to ``w - deq(codes)``, keeping the split with the least output error."""
     from worldfoundry.core.acceleration.quantization import lowrank_fit as fit
 
     whiten = fit.whitening_factor(moments) if moments is not None and (lowrank_fit == "whitened" or refine) else None
-    rounding_moments = moments if gptq else None
+    rounding_moments = moments if rounding != "nearest" else None
     fit_whiten = whiten if lowrank_fit == "whitened" else None
-    parts = _split(w, w, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed)
+    ordered = rounding == "gptq-ordered"
+    parts = _split(w, w, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed, ordered)
     best = (fit.output_error(w - parts[3], whiten), parts)
     for _ in range(refine):
         target = w - dequantize_int4_groupwise(parts[0], parts[1], group_size)
-        parts = _split(w, target, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed)
+        parts = _split(w, target, rank, group_size, smooth, rounding_moments, fit_whiten, svd, seed, ordered)
         error = fit.output_error(w - parts[3], whiten)
         if error < best[0]:
             best = (error, parts)
@@ -257,7 +261,8 @@ def _check_decompose(weight: torch.Tensor, rank: int, svd: str) -> None:
 
 
 def _split(w: torch.Tensor, target: torch.Tensor, rank: int, group_size: int, smooth: torch.Tensor | None,
-           moments: torch.Tensor | None, whiten: torch.Tensor | None, svd: str, seed: int) -> tuple:
+           moments: torch.Tensor | None, whiten: torch.Tensor | None, svd: str, seed: int,
+           ordered: bool = False) -> tuple:
     """``(qweight, scales, (down, up) or None, smoothed effective weight)``: the pair fitted to ``target`` (in the
     smoothed space), rounded to bfloat16, then the INT4 residual ``w - U D`` rounded (GPTQ under ``moments``)."""
     from worldfoundry.core.acceleration.quantization.lowrank_fit import fit_lowrank
@@ -276,7 +281,7 @@ def _split(w: torch.Tensor, target: torch.Tensor, rank: int, group_size: int, sm
     else:
         from worldfoundry.core.acceleration.quantization.gptq_rounding import gptq_quantize_int4
 
-        qweight, scales = gptq_quantize_int4(residual, moments, group_size)
+        qweight, scales = gptq_quantize_int4(residual, moments, group_size, ordered=ordered)
     effective = dequantize_int4_groupwise(qweight, scales, group_size) + (w - residual)
     return qweight, scales, lowrank, effective
 
@@ -439,6 +444,7 @@ def _finish(out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor, weight: SVDQu
 
 __all__ = [
     "LOWRANK_DTYPE",
+    "ROUNDINGS",
     "SVD_METHODS",
     "SVDQuantWeight",
     "decompose",
