@@ -26,7 +26,11 @@ def test_cuda_event_timing_and_peers(tmp_path: Path) -> None:
                                     peers=["eager", "compile", "fbcache"]))
     assert results["environment"]["device"] == "cuda"
     for c in results["candidates"]:
-        assert c["verdict"] != "invalid_timing", c.get("timing_invalid")
+        # a tiny model's loop under a loaded test run can read faster than a cache that skipped nothing may be:
+        # then the receipts bound must be what flags it, never anything else
+        if c["verdict"] == "invalid_timing":
+            assert c["name"] == "ec" and "receipts bound" in c["timing_invalid"], c
+            assert c["speed"]["speedup"] > c["speed_bound"] * 1.05, c
         steps = c["speed"]["steps_s"]
         assert len(steps["dense"][0]) == WORKLOAD["steps"]
     peers = {p["peer"]: p for p in results["peers"]}
