@@ -9,6 +9,8 @@ scales per token and group of 128), against the draft budget (latent rel L2 <= 0
 
     python benchmarks/inference/svdquant_fixture_variants.py --out /tmp/svdquant-variants      # ~1 min per variant
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq g64-r64-gptq
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq ch-r64-gptq-c1314 \
+        --activation-groups token 128 --seeds 21 22 23 24     # the same artifacts judged on other seeds
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def main() -> int:
                         help="numerics each artifact is benched with: W4A8 (INT8 activations) and/or W4F8 (FP8)")
     parser.add_argument("--activation-groups", nargs="+", choices=["token", "64", "128"], default=["token"],
                         help="INT8 activation scales per token, or per token and group of 64 / 128 (W4A8 only)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=WORKLOAD["seeds"],
+                        help="seeds the bench judges quality on (default the evaluation seeds 42 43; others, e.g. "
+                             "21-24, validate without touching them)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +98,8 @@ def main() -> int:
                     ("" if group == "token" else f"@act{group}")
                 candidates.append({"name": name + suffix, "accelerations": {"svdquant": options},
                                    "notes": "calibrate flags: " + " ".join(VARIANTS[name])})
-    spec = {"model": "tiny-wan2.1-trained", "workload": WORKLOAD, "quality_budget": BUDGET,
+    spec = {"model": "tiny-wan2.1-trained", "workload": {**WORKLOAD, "seeds": list(args.seeds)},
+            "quality_budget": BUDGET,
             "timing": {"rounds": 3}, "candidates": candidates}
     (out / "candidates.json").write_text(json.dumps(spec, indent=1))
     bench = subprocess.run(["worldfoundry", "bench", "--candidates", str(out / "candidates.json"), "--quality-only",
