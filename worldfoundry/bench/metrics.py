@@ -98,7 +98,8 @@ def quality(cand_latents: torch.Tensor, ref_latents: torch.Tensor, cand_frames: 
     """Latent error and, with frames, PSNR and per-frame SSIM (computed on the latents' device when CUDA)."""
     result: dict[str, Any] = {
         "latent_rel_l2": relative_l2(cand_latents, ref_latents),
-        "bitwise_equal": bool(cand_latents.shape == ref_latents.shape and torch.equal(cand_latents.cpu(), ref_latents.cpu())),
+        "bitwise_equal": bool(cand_latents.shape == ref_latents.shape
+                              and torch.equal(cand_latents, ref_latents.to(cand_latents.device))),
         "finite": bool(torch.isfinite(cand_latents).all()),
     }
     if cand_frames is not None and ref_frames is not None:
