@@ -136,11 +136,12 @@ def test_verdict_for_each_path(tmp_path: Path, registry: AccelerationRegistry) -
     assert "| exact |" in report and "rejected_at_install" in report and "Random weights" in report
     # where the wall time went: the phases add up to no more than the whole, each candidate has its own
     walls = saved["wall_s"]
-    assert set(walls) == {"load", "dense_and_control", "candidates", "total"}
+    assert set(walls) == {"plan", "load", "dense_and_control", "candidates", "total"}
     assert all(v >= 0 for v in walls.values())
-    assert walls["load"] + walls["dense_and_control"] + walls["candidates"] <= walls["total"]
+    assert walls["plan"] + walls["load"] + walls["dense_and_control"] + walls["candidates"] <= walls["total"]
     assert abs(sum(c["wall_s"] for c in saved["candidates"]) - walls["candidates"]) < 1e-6
-    assert f"- wall: {walls['total']:.0f} s (model load" in report and "6 candidates" in report
+    assert f"- wall: {walls['total']:.0f} s (planning {walls['plan']:.0f} s, model load" in report
+    assert "6 candidates" in report
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "quality_vs_speed.png").stat().st_size > 1000
 
 

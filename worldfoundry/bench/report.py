@@ -68,7 +68,8 @@ def _wall_line(results: dict[str, Any]) -> list[str]:
     walls = results.get("wall_s")
     if not isinstance(walls, dict) or "total" not in walls:
         return []
-    parts = [f"model load {walls.get('load', 0):.0f} s",
+    parts = [f"planning {walls['plan']:.0f} s"] if "plan" in walls else []
+    parts += [f"model load {walls.get('load', 0):.0f} s",
              f"dense pilot and control {walls.get('dense_and_control', 0):.0f} s",
              f"{sum('wall_s' in c for c in results.get('candidates', []))} candidates "
              f"{walls.get('candidates', 0):.0f} s"]

@@ -6,7 +6,8 @@ optional part depends on the host: rounds past a candidate's budget (an undecide
 a decided CI still wider than the target and paid by the width pool) and the host gate's waits for a fast phase.
 On an H200 at W17 the optional part was 10 s in one run and 100 s in the next.
 
-:class:`RunBudget` bounds the optional part so that the run ends near ``seconds`` after it began. Before each
+:class:`RunBudget` bounds the optional part so that the run ends near ``seconds`` after it began (the bench starts its
+clock when ``run_bench`` is called, so validating the candidate file and discovering the plugins count). Before each
 optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
 what is still mandatory (the items not yet started, each priced at the median mandatory cost of the items finished
 so far, plus :data:`TAIL_S` for the report). No slack: the round is not added, the wait ends, and :attr:`cut`
