@@ -60,6 +60,11 @@ VARIANTS: dict[str, list[str]] = {
     # evaluation's metrics move with the calibration data alone
     **{f"ch-r64-gptq-c{a}{a + 1}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
                                      "--rounding", "gptq", "--seeds", str(a), str(a + 1)] for a in (13, 15, 17, 19)},
+    # the same method calibrated on pooled requests (the contract's seeds 11/12 first, then more; never 42/43 or
+    # 21-24): does more calibration data remove the spread between seed pairs?
+    **{f"ch-r64-gptq-pool{n}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                "--rounding", "gptq", "--seeds", *[str(s) for s in range(11, 11 + n)]]
+       for n in (6, 10)},
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}

@@ -15,7 +15,7 @@ from worldfoundry.bench.candidates import parse_candidates
 from worldfoundry.bench.harness import BenchConfig, plan_bench, run_bench
 from worldfoundry.bench.host_gate import CALIBRATION_CHECKS, PROBES_PER_CHECK, HostGate
 from worldfoundry.bench.host_gate import describe as describe_gate
-from worldfoundry.bench.run_budget import RunBudget, describe
+from worldfoundry.bench.run_budget import PEER_PRICE_FACTOR, RunBudget, describe
 from worldfoundry.bench.timing import TimingPolicy, WidthPool, run_rounds
 from worldfoundry.cli.main import main as cli_main
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
@@ -51,15 +51,48 @@ def test_slack_is_the_deadline_minus_the_reserve_for_what_is_still_mandatory() -
     assert describe(None).startswith("none")
 
 
-def test_the_price_of_an_item_is_the_median_of_those_finished() -> None:
+def test_the_price_of_an_item_is_the_mean_of_those_finished() -> None:
+    """The reserve stands for the sum of the items left: a slow item raises the price by its share (a median would
+    ignore it, and the W17 runs priced that way overran their budget by 38-58 s)."""
     clock = Clock()
     budget = RunBudget(1000.0, clock=clock)
     budget.plan(items=4, first_item_s=1.0)
-    for seconds in (10.0, 50.0, 12.0):  # one slow item does not move the price much
+    for seconds in (10.0, 50.0, 12.0):
         budget.start_item()
         clock.now += seconds
         budget.end_item()
-    assert budget.item_s == 12.0 and budget.items_left == 1
+    assert budget.item_s == 24.0 and budget.items_left == 1
+
+
+def test_peers_are_priced_apart_from_candidates() -> None:
+    clock = Clock()
+    budget = RunBudget(1000.0, tail_s=0.0, clock=clock)
+    budget.plan(items=2, first_item_s=10.0, peers=2)
+    # before any peer has run, a peer costs PEER_PRICE_FACTOR candidates (its warm-up comes on top of a row)
+    assert budget.peer_s == PEER_PRICE_FACTOR * 10.0 and budget.reserve_s() == 2 * 10.0 + 2 * 20.0
+    budget.reprice(first_item_s=14.0)  # e.g. measured on the control pairs
+    assert budget.item_s == 14.0 and budget.peer_s == PEER_PRICE_FACTOR * 14.0
+    for kind, seconds in (("candidate", 12.0), ("candidate", 16.0), ("peer", 30.0)):
+        budget.start_item(kind=kind)
+        clock.now += seconds
+        budget.end_item()
+    assert budget.costs == [12.0, 16.0] and budget.peer_costs == [30.0]
+    assert budget.item_s == 14.0 and budget.peer_s == 30.0  # a slow peer does not raise a candidate's price
+    assert budget.items_left == 0 and budget.peers_left == 1 and budget.reserve_s() == 30.0
+    report = budget.to_json()
+    assert report["items_priced"] == 3 and report["peer_s"] == 30.0 and report["first_item_s"] == 14.0
+    with pytest.raises(ValueError, match="kind must be one of candidate, peer, got 'row'"):
+        budget.start_item(kind="row")
+    with pytest.raises(ValueError, match="first_item_s >= 0"):
+        budget.reprice(-1.0)
+
+
+def test_a_row_is_priced_from_the_generations_it_needs() -> None:
+    """Candidates go first after their pilot, so a row of four rounds is one pilot, eight timed generations and
+    two warm-ups."""
+    from worldfoundry.bench.harness import row_generations
+
+    assert row_generations(1, 4) == 11 and row_generations(2, 4) == 12 and row_generations(1, 5) == 14
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -72,26 +105,30 @@ def test_bad_budgets_are_refused(kwargs, message) -> None:
         RunBudget(**kwargs)
     with pytest.raises(ValueError, match="items >= 0"):
         RunBudget(10.0).plan(items=-1, first_item_s=1.0)
+    with pytest.raises(ValueError, match="peers >= 0"):
+        RunBudget(10.0).plan(items=1, first_item_s=1.0, peers=-1)
     with pytest.raises(RuntimeError, match="end_item without start_item"):
         RunBudget(10.0).end_item()
 
 
 @settings(max_examples=80, deadline=None)
-@given(seconds=st.floats(1.0, 1e4), items=st.integers(0, 50), first=st.floats(0.0, 100.0),
-       steps=st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(0.0, 20.0)), max_size=30))
-def test_slack_is_never_negative_and_never_more_than_the_time_left(seconds, items, first, steps) -> None:
+@given(seconds=st.floats(1.0, 1e4), items=st.integers(0, 50), peers=st.integers(0, 5), first=st.floats(0.0, 100.0),
+       steps=st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(0.0, 20.0), st.sampled_from(["candidate", "peer"])),
+                      max_size=30))
+def test_slack_is_never_negative_and_never_more_than_the_time_left(seconds, items, peers, first, steps) -> None:
     clock = Clock()
     budget = RunBudget(seconds, clock=clock)
-    budget.plan(items=items, first_item_s=first)
+    budget.plan(items=items, first_item_s=first, peers=peers)
     optional = 0.0
-    for duration, extra in steps:
-        budget.start_item(optional)
+    for duration, extra, kind in steps:
+        budget.start_item(optional, kind)
         clock.now += duration
         optional += min(extra, duration)
         budget.end_item(optional)
         slack = budget.slack_s()
         assert 0.0 <= slack <= max(0.0, seconds - clock.now)
-        assert budget.items_left >= 0 and all(cost >= 0 for cost in budget.costs)
+        assert budget.items_left >= 0 and budget.peers_left >= 0
+        assert all(cost >= 0 for cost in budget.costs + budget.peer_costs)
 
 
 def test_a_round_longer_than_the_slack_is_not_started() -> None:

@@ -273,9 +273,27 @@ def test_switching_pairs_keep_the_cost_of_a_switch_out_of_both_arms(start) -> No
     assert all(model.log[i + 1][:2] == ("timed", model.log[i][1]) for i in warms)
 
 
+def test_switching_pairs_start_on_the_warm_side() -> None:
+    """The bench's candidates: installed and warm (their pilot ran) when their pairs start, so the candidate goes
+    first and four rounds need two warm-ups, not three (and end installed: no install just to uninstall)."""
+    from worldfoundry.bench.timing import switching_pairs
+
+    model = _SharedModel()
+    model.state = "candidate"
+    out = switching_pairs(model.arm("dense", 2.0), model.arm("candidate", 1.0), [42],
+                          TimingPolicy(min_rounds=4, max_rounds=4), clock=_fake_clock(0.0), first="candidate")
+    assert out["dense_s"] == [2.0] * 4 and out["candidate_s"] == [1.0] * 4
+    assert [arm for kind, arm, _ in model.log if kind == "timed"] == ["candidate"] * 2 + ["dense"] * 4 + \
+        ["candidate"] * 2
+    assert out["warmups"] == 2 and out["first_side"] == "candidate" and model.state == "candidate"
+    with pytest.raises(ValueError, match="first must be 'dense' or 'candidate', got 'peer'"):
+        switching_pairs(model.arm("dense", 2.0), model.arm("candidate", 1.0), [42], TimingPolicy(), first="peer")
+
+
 @settings(max_examples=40, deadline=None)
-@given(rounds=st.integers(3, 12), block=st.integers(1, 4), n_seeds=st.integers(1, 3))
-def test_switching_pairs_pair_each_round_on_one_seed(rounds, block, n_seeds) -> None:
+@given(rounds=st.integers(3, 12), block=st.integers(1, 4), n_seeds=st.integers(1, 3),
+       first=st.sampled_from(["dense", "candidate"]))
+def test_switching_pairs_pair_each_round_on_one_seed(rounds, block, n_seeds, first) -> None:
     """Every round pairs both sides on the same seed, each side runs each round once, no round is left out."""
     from worldfoundry.bench.timing import Timed, switching_pairs
 
@@ -288,7 +306,8 @@ def test_switching_pairs_pair_each_round_on_one_seed(rounds, block, n_seeds) -> 
                               base.warm)
 
     out = switching_pairs(arm("dense", 2.0), arm("candidate", 1.0), seeds,
-                          TimingPolicy(min_rounds=rounds, max_rounds=rounds), clock=_fake_clock(0.0), block=block)
+                          TimingPolicy(min_rounds=rounds, max_rounds=rounds), clock=_fake_clock(0.0), block=block,
+                          first=first)
     assert out["rounds"] == rounds
     assert out["groups"] == [(r, seeds[r % n_seeds]) for r in range(rounds)]
     assert out["warmups"] <= -(-rounds // block) + 1

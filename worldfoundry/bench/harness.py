@@ -36,6 +36,7 @@ from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.run_budget import RunBudget, budget_item
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
+    SWITCH_BLOCK,
     Arm,
     Timed,
     TimingPolicy,
@@ -302,6 +303,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
                                 "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
         tpolicy, noise_floor = _noise_floor(results, runner, dense, seeds, tpolicy)
+        reprice_rows(budget, runner, began, tpolicy, len(seeds))
     results["noise_floor"] = noise_floor
     tpolicy = _decision_policy(results, config, tpolicy, noise_floor)
     config.extra["_timing_policy"] = tpolicy
@@ -346,14 +348,31 @@ def _noise_floor(results: dict[str, Any], runner: _Runner, dense: dict[int, Any]
 
 def plan_items(budget: RunBudget, cfile: CandidateFile, config: BenchConfig, policy: RuntimePolicy,
                tpolicy: TimingPolicy, gate: HostGate | None) -> None:
-    """Price the run's items (candidates and peers, each at twice the time budget until one has run) and let the
-    host gate wait only while the run budget leaves slack."""
+    """Price the run's items (candidates at twice the time budget until the control pairs measure a generation,
+    peers apart) and let the host gate wait only while the run budget leaves slack."""
     from worldfoundry.bench.peers import resolve_peers
 
     peers = len(resolve_peers(config.peers, torch.device(policy.device))[0]) if config.peers else 0
-    budget.plan(len(cfile.candidates) + peers, 2 * tpolicy.budget_s)
+    budget.plan(len(cfile.candidates), 2 * tpolicy.budget_s, peers=peers)
     if gate is not None:
         gate.limit = budget.slack_s
+
+
+def row_generations(n_seeds: int, min_rounds: int) -> int:
+    """Generations of a candidate's mandatory part: a pilot per seed, both arms of ``min_rounds`` rounds and one
+    warm-up per block of :func:`~worldfoundry.bench.timing.switching_pairs` (the first block needs none)."""
+    return n_seeds + 2 * min_rounds + -(-min_rounds // SWITCH_BLOCK)
+
+
+def reprice_rows(budget: RunBudget | None, runner: _Runner, began: float, tpolicy: TimingPolicy,
+                 n_seeds: int) -> None:
+    """Price a candidate from what the run measured so far: the mean wall of its generations (host waits left
+    out), times :func:`row_generations`."""
+    if budget is None or runner.counter == 0:
+        return
+    waited = runner.host_gate.waited_s if runner.host_gate is not None else 0.0
+    generation_s = max(0.0, time.perf_counter() - began - waited) / runner.counter
+    budget.reprice(generation_s * row_generations(n_seeds, tpolicy.min_rounds))
 
 
 def optional_seconds(gate: HostGate | None, tpolicy: TimingPolicy) -> float:
@@ -373,7 +392,7 @@ def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dens
     gate = runner.host_gate
 
     def item(name: str) -> contextlib.AbstractContextManager[None]:  # each peer is an item of the run budget
-        return budget_item(tpolicy.run_budget, lambda: optional_seconds(gate, tpolicy))
+        return budget_item(tpolicy.run_budget, lambda: optional_seconds(gate, tpolicy), kind="peer")
 
     # reference rows get no verdict, so no extension of undecided rounds either
     results["peers"] = run_peers(peers, runner, dense, seeds, replace(tpolicy, threshold=None, width_pool=None),
@@ -526,7 +545,8 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
                 tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry,
                 monitor: GpuSharingMonitor, bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
     """Interleaved paired rounds of the denoising loop (:func:`~worldfoundry.bench.timing.switching_pairs`: blocks
-    of two rounds, one untimed generation after every install or uninstall); outputs checked against the pilots."""
+    of two rounds, one untimed generation after every install or uninstall, the installed candidate first: its
+    pilots were its warm-up); outputs checked against the pilots."""
     den = runner.pipe.components.denoiser
     mismatches: list[str] = []
     state = {"session": session}
@@ -562,8 +582,7 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
         Arm(to_dense, lambda r, seed: timed("dense", r, seed), lambda seed: runner.generate(seed, "dense-warm")),
         Arm(to_candidate, lambda r, seed: timed("candidate", r, seed),
             lambda seed: runner.generate(seed, f"{cand.name}-warm")),
-        seeds, tpolicy, on_round=lambda: bar.update(1), clock=runner.clock)
-    to_candidate()
+        seeds, tpolicy, on_round=lambda: bar.update(1), clock=runner.clock, first="candidate")
     return speed, mismatches, state["session"]
 
 

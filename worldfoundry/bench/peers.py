@@ -251,8 +251,8 @@ def run_peer(name: str, runner: Any, dense: dict[int, Any], seeds: list[int], po
         pilot = runner.generate(seeds[0], f"peer-{name}-warmup")
         row["warmup_s"] = time.perf_counter() - t0
         row["latent_rel_l2"] = max(relative_l2(pilot.latents, dense[seeds[0]].latents), 0.0)
-        row["speed"] = switching_pairs(*state.arms(runner), seeds, policy,
-                                       clock=getattr(runner, "clock", time.perf_counter))
+        row["speed"] = switching_pairs(*state.arms(runner), seeds, policy,  # applied and warm: the peer goes first
+                                       clock=getattr(runner, "clock", time.perf_counter), first="candidate")
         row["verdict"] = "peer_reference"
     except Exception as exc:  # a peer that fails is a row, not a crash
         logger.warning("peer %s failed: %s", name, exc)

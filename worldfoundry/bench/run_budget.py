@@ -9,15 +9,22 @@ On an H200 at W17 the optional part was 10 s in one run and 100 s in the next.
 :class:`RunBudget` bounds the optional part so that the run ends near ``seconds`` after it began (the bench starts its
 clock when ``run_bench`` is called, so validating the candidate file and discovering the plugins count). Before each
 optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
-what is still mandatory (the items not yet started, each priced at the median mandatory cost of the items finished
-so far, plus :data:`TAIL_S` for the report). No slack: the round is not added, the wait ends, and :attr:`cut`
-counts it. The mandatory part is never cut: a run whose mandatory part alone exceeds ``seconds`` overruns, and
-:meth:`to_json` says by how much.
+what is still mandatory (the items not yet started, plus :data:`TAIL_S` for the report). No slack: the round is not
+added, the wait ends, and :attr:`cut` counts it. The mandatory part is never cut: a run whose mandatory part alone
+exceeds ``seconds`` overruns, and :meth:`to_json` says by how much.
+
+Candidates and peers are priced apart, each at the **mean** mandatory cost of the finished items of its kind: the
+reserve stands for the sum of the items left, and a median under-prices it whenever costs are skewed (at W17 on an
+H200 rows cost 13-18 s and torch.compile's row 25 s; priced at their median, 14 s, the runs overran their budget by
+38-58 s). Before any candidate has finished a candidate costs ``first_item_s`` (the bench sets it from the
+generations a row needs and the measured cost of one, :meth:`RunBudget.reprice`); before any peer has finished a
+peer costs :data:`PEER_PRICE_FACTOR` candidates (its compilation or cache warm-up comes on top of a row).
 
 Example::
 
     budget = RunBudget(280.0)
-    budget.plan(items=15, first_item_s=12.0)   # 13 candidates and 2 peers, about 12 s each before any has run
+    budget.plan(items=13, first_item_s=12.0, peers=2)   # 13 candidates, about 12 s each before any has run; 2 peers
+    budget.reprice(first_item_s=14.5)          # measured: 11 generations of a row at 1.32 s each
     budget.start_item(optional_s=0.0)          # the run's optional seconds so far (waits + width-pool rounds)
     ...                                        # run_rounds / HostGate consult budget.slack_s()
     budget.end_item(optional_s=4.2)            # the same total after the item: 4.2 s of it were not its price
@@ -33,6 +40,10 @@ from typing import Any, Final
 
 #: Seconds kept for what follows the last item: the dense check generation and writing results, report and plots.
 TAIL_S: Final = 15.0
+#: A peer's price, in candidate items, until a peer has finished.
+PEER_PRICE_FACTOR: Final = 2.0
+#: The kinds of item a run prices apart.
+ITEM_KINDS: Final = ("candidate", "peer")
 
 
 class RunBudget:
@@ -57,30 +68,46 @@ class RunBudget:
         self.seconds, self.tail_s, self._clock = float(seconds), float(tail_s), clock
         self.started = clock() if started is None else float(started)
         self.items_left = 0
+        self.peers_left = 0
         self.first_item_s = 0.0
+        #: the mandatory cost of each finished candidate and peer
         self.costs: list[float] = []
+        self.peer_costs: list[float] = []
         #: optional rounds not added and host waits ended because no slack was left
         self.cut = 0
         #: seconds of rounds past a candidate's budget that the width pool did not pay for (an undecided CI, a dense
         #: arm in a slow phase): optional time, left out of the items' prices
         self.extended_s = 0.0
-        self._item_started: tuple[float, float] | None = None
+        self._item_started: tuple[float, float, str] | None = None
 
-    def plan(self, items: int, first_item_s: float) -> None:
-        """``items`` still to run, priced at ``first_item_s`` each until one has finished."""
-        if items < 0 or not first_item_s >= 0:
-            raise ValueError(f"run budget plan: expected items >= 0 and first_item_s >= 0, got {items}, "
-                             f"{first_item_s}")
-        self.items_left, self.first_item_s = int(items), float(first_item_s)
+    def plan(self, items: int, first_item_s: float, *, peers: int = 0) -> None:
+        """``items`` candidates still to run, priced at ``first_item_s`` each until one has finished, and ``peers``
+        peers."""
+        if items < 0 or peers < 0 or not first_item_s >= 0:
+            raise ValueError(f"run budget plan: expected items >= 0, peers >= 0 and first_item_s >= 0, got {items}, "
+                             f"{peers}, {first_item_s}")
+        self.items_left, self.peers_left, self.first_item_s = int(items), int(peers), float(first_item_s)
+
+    def reprice(self, first_item_s: float) -> None:
+        """A better price for a candidate before any has finished (e.g. measured on the control pairs)."""
+        if not first_item_s >= 0:
+            raise ValueError(f"run budget reprice: expected first_item_s >= 0, got {first_item_s}")
+        self.first_item_s = float(first_item_s)
 
     @property
     def item_s(self) -> float:
-        """The price of one item: the median mandatory cost of those finished, else ``first_item_s``."""
-        return statistics.median(self.costs) if self.costs else self.first_item_s
+        """The price of one candidate: the mean mandatory cost of those finished, else ``first_item_s``."""
+        return statistics.fmean(self.costs) if self.costs else self.first_item_s
+
+    @property
+    def peer_s(self) -> float:
+        """The price of one peer: the mean mandatory cost of the peers finished, else :data:`PEER_PRICE_FACTOR`
+        candidates."""
+        return statistics.fmean(self.peer_costs) if self.peer_costs else PEER_PRICE_FACTOR * self.item_s
 
     def reserve_s(self) -> float:
         """Seconds still mandatory after the current item: the items not started and the tail."""
-        return self.items_left * self.item_s + self.tail_s
+        return self.items_left * self.item_s + self.peers_left * self.peer_s + self.tail_s
 
     def elapsed_s(self) -> float:
         return self._clock() - self.started
@@ -98,40 +125,47 @@ class RunBudget:
         self.cut += 1
         return False
 
-    def start_item(self, optional_s: float = 0.0) -> None:
-        """An item (a candidate or a peer) begins: it leaves the reserve. ``optional_s``: the run's optional
-        seconds so far (host waits and width-pool rounds)."""
-        self.items_left = max(0, self.items_left - 1)
-        self._item_started = (self._clock(), float(optional_s))
+    def start_item(self, optional_s: float = 0.0, kind: str = "candidate") -> None:
+        """An item of ``kind`` (``"candidate"`` or ``"peer"``) begins: it leaves the reserve. ``optional_s``: the
+        run's optional seconds so far (host waits and width-pool rounds)."""
+        if kind not in ITEM_KINDS:
+            raise ValueError(f"run budget: kind must be one of {', '.join(ITEM_KINDS)}, got {kind!r}")
+        if kind == "peer":
+            self.peers_left = max(0, self.peers_left - 1)
+        else:
+            self.items_left = max(0, self.items_left - 1)
+        self._item_started = (self._clock(), float(optional_s), kind)
 
     def end_item(self, optional_s: float = 0.0) -> None:
         """The item begun by :meth:`start_item` ended; ``optional_s``: the run's optional seconds now. The item's
         price is its wall time minus the optional seconds it added."""
         if self._item_started is None:
             raise RuntimeError("run budget: end_item without start_item")
-        began, optional_before = self._item_started
+        began, optional_before, kind = self._item_started
         added = max(0.0, float(optional_s) - optional_before)
-        self.costs.append(max(0.0, self._clock() - began - added))
+        (self.peer_costs if kind == "peer" else self.costs).append(max(0.0, self._clock() - began - added))
         self._item_started = None
 
     def to_json(self) -> dict[str, Any]:
-        """The limit, the time used so far, the overrun it implies with the tail still to come, the items' median
-        price and the optional time refused."""
+        """The limit, the time used so far, the overrun it implies with the tail still to come, the prices of a
+        candidate and a peer and the optional time refused."""
         elapsed = self.elapsed_s()
         return {"seconds": self.seconds, "elapsed_s": round(elapsed, 3),
                 "over_s": round(max(0.0, elapsed + self.reserve_s() - self.seconds), 3),
-                "item_s": round(self.item_s, 3), "items_priced": len(self.costs), "tail_s": self.tail_s,
+                "item_s": round(self.item_s, 3), "peer_s": round(self.peer_s, 3),
+                "first_item_s": round(self.first_item_s, 3),
+                "items_priced": len(self.costs) + len(self.peer_costs), "tail_s": self.tail_s,
                 "cut": self.cut, "extended_s": round(self.extended_s, 3)}
 
 
 @contextlib.contextmanager
-def budget_item(budget: RunBudget | None, optional_s: Callable[[], float]) -> Iterator[None]:
-    """One item of the run under ``budget`` (nothing when ``None``); ``optional_s()`` reads the run's optional
-    seconds so far, before and after the item."""
+def budget_item(budget: RunBudget | None, optional_s: Callable[[], float], kind: str = "candidate") -> Iterator[None]:
+    """One item of ``kind`` of the run under ``budget`` (nothing when ``None``); ``optional_s()`` reads the run's
+    optional seconds so far, before and after the item."""
     if budget is None:
         yield
         return
-    budget.start_item(optional_s())
+    budget.start_item(optional_s(), kind)
     try:
         yield
     finally:
@@ -149,4 +183,4 @@ def describe(budget: dict[str, Any] | None) -> str:
     return line
 
 
-__all__ = ["TAIL_S", "RunBudget", "budget_item", "describe"]
+__all__ = ["ITEM_KINDS", "PEER_PRICE_FACTOR", "TAIL_S", "RunBudget", "budget_item", "describe"]

@@ -359,11 +359,18 @@ SWITCH_BLOCK = 2
 
 def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: TimingPolicy, *,
                     on_round: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
-                    block: int = SWITCH_BLOCK) -> dict[str, Any]:
+                    block: int = SWITCH_BLOCK, first: str = "dense") -> dict[str, Any]:
     """:func:`run_rounds` over blocks of ``block`` rounds: one side's generations of the block, then the other's,
     the side that goes first alternating per block (``D D C C | C C D D | ...``: slow drifts favour neither side,
     and the model is switched once per block), the seed cycling per round. An arm whose ``activate`` changed the
-    model runs one untimed ``warm`` generation first; the count is returned as ``warmups``."""
+    model runs one untimed ``warm`` generation first; the count is returned as ``warmups``.
+
+    ``first``: the side of the first block's first half (``"dense"`` or ``"candidate"``). Name the side the model
+    is on and warm already (the bench's candidates and peers: their pilot ran just before), and the first block
+    needs no switch: four rounds then cost two warm-ups and two switches instead of three and three."""
+    if first not in ("dense", "candidate"):
+        raise ValueError(f"switching_pairs: first must be 'dense' or 'candidate', got {first!r}")
+    sides = (dense, candidate) if first == "dense" else (candidate, dense)
     warmups = [0]
     done: dict[int, tuple[float | Timed, float | Timed]] = {}
 
@@ -375,9 +382,9 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
 
     def pair(r: int) -> tuple[float | Timed, float | Timed]:
         if r not in done:
-            first = r // block
+            index = r // block
             rounds = range(r, min(r + block, policy.max_rounds))
-            order = (dense, candidate) if first % 2 == 0 else (candidate, dense)
+            order = sides if index % 2 == 0 else sides[::-1]
             got = {id(arm): [run(arm, i, seeds[i % len(seeds)]) for i in rounds] for arm in order}
             for j, i in enumerate(rounds):
                 done[i] = (got[id(dense)][j], got[id(candidate)][j])
@@ -386,6 +393,7 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
     out = run_rounds(pair, policy, clock=clock, on_round=on_round)
     out["warmups"] = warmups[0]
     out["switch_block"] = block
+    out["first_side"] = first
     return out
 
 
