@@ -26,5 +26,6 @@ for wheel in .whl/*.whl; do
   echo "packed $name: $size -> $(stat -c %s ".whl/$name.tar.xz") bytes"
 done
 du -sh .whl
-echo "On the device, begin the command with:"
-echo '  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl && for f in .whl/*.tar.xz; do tar -xJf "$f" -C .site || exit 1; done; export PYTHONPATH=$PWD/.site:$PWD:$PYTHONPATH;'
+echo "On the device, begin the command with (compileall: the bytecode a user's pip install writes; without it a"
+echo "timed run's first imports compile diffusers and the project, 10 s of a W17 bench's planning on an H200):"
+echo '  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl && for f in .whl/*.tar.xz; do tar -xJf "$f" -C .site || exit 1; done; python3 -m compileall -q -j 0 .site worldfoundry plugins >/dev/null; export PYTHONPATH=$PWD/.site:$PWD:$PYTHONPATH;'
