@@ -69,7 +69,7 @@ def test_peers_are_priced_apart_from_candidates() -> None:
     budget = RunBudget(1000.0, tail_s=0.0, clock=clock)
     budget.plan(items=2, first_item_s=10.0, peers=2)
     # before any peer has run, a peer costs PEER_PRICE_FACTOR candidates (its warm-up comes on top of a row)
-    assert budget.peer_s == PEER_PRICE_FACTOR * 10.0 and budget.reserve_s() == 2 * 10.0 + 2 * 20.0
+    assert budget.peer_s == PEER_PRICE_FACTOR * 10.0 and budget.reserve_s() == 2 * 10.0 + 2 * PEER_PRICE_FACTOR * 10.0
     budget.reprice(first_item_s=14.0)  # e.g. measured on the control pairs
     assert budget.item_s == 14.0 and budget.peer_s == PEER_PRICE_FACTOR * 14.0
     for kind, seconds in (("candidate", 12.0), ("candidate", 16.0), ("peer", 30.0)):
@@ -255,3 +255,23 @@ def test_a_run_over_its_budget_still_runs_every_candidate_and_says_so(tmp_path: 
     plain = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(tmp_path / "p"),
                                   progress=False), registry=_registry())
     assert plain["run_budget"] is None
+
+
+def test_a_row_is_repriced_from_the_control_generations_only() -> None:
+    """The dense pilots (first calls, decoding) are left out: the price is the control pairs' mean generation wall,
+    host waits subtracted, times the generations of a row."""
+    import time
+    from types import SimpleNamespace
+
+    from worldfoundry.bench.harness import reprice_rows, row_generations
+
+    budget = RunBudget(1000.0)
+    budget.plan(items=3, first_item_s=12.0)
+    gate = SimpleNamespace(waited_s=7.0)
+    runner = SimpleNamespace(counter=12, host_gate=gate)
+    since = (time.perf_counter() - 15.0, 2, 2.0)  # 10 generations in 15 s, 5 s of them host waits
+    reprice_rows(budget, runner, since, TimingPolicy(min_rounds=4), n_seeds=1)
+    assert budget.first_item_s == pytest.approx(1.0 * row_generations(1, 4), rel=0.05)
+    reprice_rows(budget, SimpleNamespace(counter=2, host_gate=None), (0.0, 2, 0.0), TimingPolicy(), n_seeds=1)
+    assert budget.first_item_s == pytest.approx(11.0, rel=0.05)  # no generation since the mark: unchanged
+    reprice_rows(None, runner, since, TimingPolicy(), n_seeds=1)  # no run budget: nothing to price

@@ -302,8 +302,9 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     results["timing_policy"] = {**asdict(replace(tpolicy, width_pool=None, run_budget=None)),
                                 "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
+        mark = generation_mark(runner)
         tpolicy, noise_floor = _noise_floor(results, runner, dense, seeds, tpolicy)
-        reprice_rows(budget, runner, began, tpolicy, len(seeds))
+        reprice_rows(budget, runner, mark, tpolicy, len(seeds))
     results["noise_floor"] = noise_floor
     tpolicy = _decision_policy(results, config, tpolicy, noise_floor)
     config.extra["_timing_policy"] = tpolicy
@@ -364,14 +365,20 @@ def row_generations(n_seeds: int, min_rounds: int) -> int:
     return n_seeds + 2 * min_rounds + -(-min_rounds // SWITCH_BLOCK)
 
 
-def reprice_rows(budget: RunBudget | None, runner: _Runner, began: float, tpolicy: TimingPolicy,
+def generation_mark(runner: _Runner) -> tuple[float, int, float]:
+    """Where the run stands: now, the generations so far and the host gate's waits so far."""
+    return time.perf_counter(), runner.counter, runner.host_gate.waited_s if runner.host_gate is not None else 0.0
+
+
+def reprice_rows(budget: RunBudget | None, runner: _Runner, since: tuple[float, int, float], tpolicy: TimingPolicy,
                  n_seeds: int) -> None:
-    """Price a candidate from what the run measured so far: the mean wall of its generations (host waits left
-    out), times :func:`row_generations`."""
-    if budget is None or runner.counter == 0:
+    """Price a candidate from the generations run since ``since`` (a :func:`generation_mark`: the control pairs,
+    not the dense pilots, whose first calls and decoding a row's generations do not repeat): their mean wall, host
+    waits left out, times :func:`row_generations`."""
+    now, count, waited = generation_mark(runner)
+    if budget is None or count <= since[1]:
         return
-    waited = runner.host_gate.waited_s if runner.host_gate is not None else 0.0
-    generation_s = max(0.0, time.perf_counter() - began - waited) / runner.counter
+    generation_s = max(0.0, now - since[0] - (waited - since[2])) / (count - since[1])
     budget.reprice(generation_s * row_generations(n_seeds, tpolicy.min_rounds))
 
 

@@ -17,8 +17,9 @@ Candidates and peers are priced apart, each at the **mean** mandatory cost of th
 reserve stands for the sum of the items left, and a median under-prices it whenever costs are skewed (at W17 on an
 H200 rows cost 13-18 s and torch.compile's row 25 s; priced at their median, 14 s, the runs overran their budget by
 38-58 s). Before any candidate has finished a candidate costs ``first_item_s`` (the bench sets it from the
-generations a row needs and the measured cost of one, :meth:`RunBudget.reprice`); before any peer has finished a
-peer costs :data:`PEER_PRICE_FACTOR` candidates (its compilation or cache warm-up comes on top of a row).
+generations a row needs and the measured cost of one in the control pairs, :meth:`RunBudget.reprice`); before any
+peer has finished a peer costs :data:`PEER_PRICE_FACTOR` candidates (its compilation or cache warm-up comes on top
+of a row).
 
 Example::
 
@@ -40,8 +41,9 @@ from typing import Any, Final
 
 #: Seconds kept for what follows the last item: the dense check generation and writing results, report and plots.
 TAIL_S: Final = 15.0
-#: A peer's price, in candidate items, until a peer has finished.
-PEER_PRICE_FACTOR: Final = 2.0
+#: A peer's price, in candidate items, until a peer has finished (W17 on an H200: a row's mandatory part 12 s,
+#: torch.compile's 19 s with its warm-up, FirstBlockCache's 13 s).
+PEER_PRICE_FACTOR: Final = 1.5
 #: The kinds of item a run prices apart.
 ITEM_KINDS: Final = ("candidate", "peer")
 
