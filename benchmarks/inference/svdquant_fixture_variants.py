@@ -65,6 +65,15 @@ VARIANTS: dict[str, list[str]] = {
     **{f"ch-r64-gptq-pool{n}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
                                 "--rounding", "gptq", "--seeds", *[str(s) for s in range(11, 11 + n)]]
        for n in (6, 10)},
+    # the same method on one block's FFN at a time (``--include`` given again replaces the default set), and on
+    # every block but one: which blocks carry the 4-bit error
+    **{f"ch-r64-gptq-only{b}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                "--rounding", "gptq", "--include", f"blocks.{b}.ffn.0", f"blocks.{b}.ffn.2"]
+       for b in range(6)},
+    **{f"ch-r64-gptq-skip{b}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                "--rounding", "gptq", "--include",
+                                *[f"blocks.{k}.ffn.{j}" for k in range(6) if k != b for j in (0, 2)]]
+       for b in range(6)},
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
