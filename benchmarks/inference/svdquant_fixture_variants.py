@@ -74,6 +74,14 @@ VARIANTS: dict[str, list[str]] = {
                                 "--rounding", "gptq", "--include",
                                 *[f"blocks.{k}.ffn.{j}" for k in range(6) if k != b for j in (0, 2)]]
        for b in range(6)},
+    "ch-r64-gptq-skip03": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq",
+                           "--include", *[f"blocks.{k}.ffn.{j}" for k in (1, 2, 4, 5) for j in (0, 2)]],
+    **{f"ch-r64-gptq-skip03-c{a}{a + 1}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                           "--rounding", "gptq", "--seeds", str(a), str(a + 1), "--include",
+                                           *[f"blocks.{k}.ffn.{j}" for k in (1, 2, 4, 5) for j in (0, 2)]]
+       for a in (13, 15, 17, 19)},
+    "ch-rtn-skip03": ["--method", "rtn", "--group-size", "channel",
+                      "--include", *[f"blocks.{k}.ffn.{j}" for k in (1, 2, 4, 5) for j in (0, 2)]],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
