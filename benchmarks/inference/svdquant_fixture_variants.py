@@ -11,6 +11,9 @@ scales per token and group of 128), against the draft budget (latent rel L2 <= 0
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq g64-r64-gptq
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq ch-r64-gptq-c1314 \
         --activation-groups token 128 --seeds 21 22 23 24     # the same artifacts judged on other seeds
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-pool10      # 10 calibration requests
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-only0 ch-r64-gptq-skip03 \
+        ch-rtn-skip03                    # one block's FFNs alone; every block but 0 and 3, SVDQuant and RTN
 """
 
 from __future__ import annotations
