@@ -48,6 +48,7 @@ def test_slack_is_the_deadline_minus_the_reserve_for_what_is_still_mandatory() -
     report = budget.to_json()
     assert report["over_s"] == pytest.approx(90.0 + 4 * 9.0 + 10.0 - 100.0) and report["cut"] == 1
     assert "over by about 36 s" in describe(report) and "1 optional rounds or waits refused" in describe(report)
+    assert "a candidate priced at 9.0 s, a peer at 13.5 s" in describe(report)
     assert describe(None).startswith("none")
 
 

@@ -180,6 +180,8 @@ def describe(budget: dict[str, Any] | None) -> str:
         return "none (rounds past a candidate's budget and host waits bounded only by their own limits)"
     line = (f"{budget['seconds']:.0f} s; {budget['elapsed_s']:.0f} s used before the report; "
             f"{budget['cut']} optional rounds or waits refused for lack of time")
+    if "peer_s" in budget:  # what the reserve assumed at the end: the mean mandatory cost of a row and of a peer
+        line += f"; a candidate priced at {budget['item_s']:.1f} s, a peer at {budget['peer_s']:.1f} s"
     if budget["over_s"] > 0:
         line += f"; over by about {budget['over_s']:.0f} s: the mandatory work alone took longer"
     return line
