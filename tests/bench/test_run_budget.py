@@ -91,7 +91,7 @@ def test_peers_are_priced_apart_from_candidates() -> None:
 def test_a_row_is_priced_from_the_generations_it_needs() -> None:
     """Candidates go first after their pilot, so a row of four rounds is one pilot, eight timed generations and
     two warm-ups."""
-    from worldfoundry.bench.harness import row_generations
+    from worldfoundry.bench.run_pricing import row_generations
 
     assert row_generations(1, 4) == 11 and row_generations(2, 4) == 12 and row_generations(1, 5) == 14
 
@@ -264,7 +264,7 @@ def test_a_row_is_repriced_from_the_control_generations_only() -> None:
     import time
     from types import SimpleNamespace
 
-    from worldfoundry.bench.harness import reprice_rows, row_generations
+    from worldfoundry.bench.run_pricing import reprice_rows, row_generations
 
     budget = RunBudget(1000.0)
     budget.plan(items=3, first_item_s=12.0)

@@ -34,9 +34,9 @@ from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.run_budget import RunBudget, budget_item
+from worldfoundry.bench.run_pricing import generation_mark, optional_seconds, plan_items, reprice_rows
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
-    SWITCH_BLOCK,
     Arm,
     Timed,
     TimingPolicy,
@@ -298,7 +298,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     tpolicy = _timing_policy(config, rounds, len(seeds))
     if budget is not None:
         tpolicy = replace(tpolicy, run_budget=budget)
-        plan_items(budget, cfile, config, policy, tpolicy, gate)
+        plan_items(budget, candidates=len(cfile.candidates), peers=config.peers, device=torch.device(policy.device),
+                   tpolicy=tpolicy, gate=gate)
     results["timing_policy"] = {**asdict(replace(tpolicy, width_pool=None, run_budget=None)),
                                 "gc": "frozen after loading; paused inside timed requests"}
     if not config.quality_only:
@@ -345,49 +346,6 @@ def _noise_floor(results: dict[str, Any], runner: _Runner, dense: dict[int, Any]
         tpolicy = replace(tpolicy, max_rounds=tpolicy.min_rounds)
         results["timing_policy"]["max_rounds"] = tpolicy.max_rounds
     return tpolicy, noise_floor
-
-
-def plan_items(budget: RunBudget, cfile: CandidateFile, config: BenchConfig, policy: RuntimePolicy,
-               tpolicy: TimingPolicy, gate: HostGate | None) -> None:
-    """Price the run's items (candidates at twice the time budget until the control pairs measure a generation,
-    peers apart) and let the host gate wait only while the run budget leaves slack."""
-    from worldfoundry.bench.peers import resolve_peers
-
-    peers = len(resolve_peers(config.peers, torch.device(policy.device))[0]) if config.peers else 0
-    budget.plan(len(cfile.candidates), 2 * tpolicy.budget_s, peers=peers)
-    if gate is not None:
-        gate.limit = budget.slack_s
-
-
-def row_generations(n_seeds: int, min_rounds: int) -> int:
-    """Generations of a candidate's mandatory part: a pilot per seed, both arms of ``min_rounds`` rounds and one
-    warm-up per block of :func:`~worldfoundry.bench.timing.switching_pairs` (the first block needs none)."""
-    return n_seeds + 2 * min_rounds + -(-min_rounds // SWITCH_BLOCK)
-
-
-def generation_mark(runner: _Runner) -> tuple[float, int, float]:
-    """Where the run stands: now, the generations so far and the host gate's waits so far."""
-    return time.perf_counter(), runner.counter, runner.host_gate.waited_s if runner.host_gate is not None else 0.0
-
-
-def reprice_rows(budget: RunBudget | None, runner: _Runner, since: tuple[float, int, float], tpolicy: TimingPolicy,
-                 n_seeds: int) -> None:
-    """Price a candidate from the generations run since ``since`` (a :func:`generation_mark`: the control pairs,
-    not the dense pilots, whose first calls and decoding a row's generations do not repeat): their mean wall, host
-    waits left out, times :func:`row_generations`."""
-    now, count, waited = generation_mark(runner)
-    if budget is None or count <= since[1]:
-        return
-    generation_s = max(0.0, now - since[0] - (waited - since[2])) / (count - since[1])
-    budget.reprice(generation_s * row_generations(n_seeds, tpolicy.min_rounds))
-
-
-def optional_seconds(gate: HostGate | None, tpolicy: TimingPolicy) -> float:
-    """The run's optional seconds so far: the host gate's waits, the width pool's rounds and the other rounds past
-    a candidate's budget."""
-    extended = tpolicy.run_budget.extended_s if tpolicy.run_budget is not None else 0.0
-    return ((gate.waited_s if gate is not None else 0.0) + (tpolicy.width_pool.spent if tpolicy.width_pool else 0.0)
-            + extended)
 
 
 def _time_peers(results: dict[str, Any], peers: list[str], runner: _Runner, dense: dict[int, Any], seeds: list[int],
