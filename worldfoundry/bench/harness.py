@@ -278,20 +278,8 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     runner = _Runner(pipe, cfile.workload, decode=pipe.components.codec is not None, host_gate=gate)
     monitor = GpuSharingMonitor(policy.device)
     dense = {seed: runner.generate(seed, "dense-pilot", decode=True) for seed in seeds}
-    results: dict[str, Any] = {
-        "schema": "worldfoundry-bench-results-v1",
-        "created": datetime.now(timezone.utc).isoformat(),
-        "model": model,
-        "random_weights": pipe.components.random_weights,
-        "weights": pipe.components.weight_report(),
-        "workload": cfile.workload,
-        "budget": cfile.budget,
-        "seeds": seeds,
-        "rounds": 0 if config.quality_only else rounds,
-        "quality_only": config.quality_only,
-        "dense": {"pilot_timings": {str(s): dense[s].timings for s in seeds}},
-        "candidates": [],
-    }
+    results = _results_header(pipe, cfile, model, seeds, 0 if config.quality_only else rounds, config.quality_only,
+                              dense)
     steps_per_candidate = 1 + (0 if config.quality_only else rounds)
     bar = tqdm(total=len(cfile.candidates) * steps_per_candidate, disable=not config.progress, desc="bench")
     noise_floor = 1.0
@@ -331,6 +319,25 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+def _results_header(pipe: NativeDiffusionPipeline, cfile: CandidateFile, model: str, seeds: list[int], rounds: int,
+                    quality_only: bool, dense: dict[int, Any]) -> dict[str, Any]:
+    """``results.json``'s fields known once the dense pilots have run."""
+    return {
+        "schema": "worldfoundry-bench-results-v1",
+        "created": datetime.now(timezone.utc).isoformat(),
+        "model": model,
+        "random_weights": pipe.components.random_weights,
+        "weights": pipe.components.weight_report(),
+        "workload": cfile.workload,
+        "budget": cfile.budget,
+        "seeds": seeds,
+        "rounds": rounds,
+        "quality_only": quality_only,
+        "dense": {"pilot_timings": {str(s): dense[s].timings for s in seeds}},
+        "candidates": [],
+    }
 
 
 def _noise_floor(results: dict[str, Any], runner: _Runner, dense: dict[int, Any], seeds: list[int],
