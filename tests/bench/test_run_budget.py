@@ -139,6 +139,35 @@ def test_a_round_longer_than_the_slack_is_not_started() -> None:
     assert budget.allow(2.0) and not budget.allow(4.0) and budget.cut == 1
 
 
+def test_time_that_decides_no_verdict_is_held_to_the_items_fair_share() -> None:
+    """A round that only narrows a decided CI, or a host wait, may use the current item's share of the slack (the
+    slack split between it and the items still to come); a round that decides a verdict may use all of it."""
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
+    budget.plan(items=4, first_item_s=10.0, peers=1)
+    budget.start_item(0.0)  # 3 candidates and 1 peer (15 s) still to come: reserve 45 s, slack 55 s
+    assert budget.slack_s() == pytest.approx(55.0) and budget.share_s() == pytest.approx(11.0)
+    assert budget.allow(11.0, fair=True) and not budget.allow(12.0, fair=True) and budget.cut == 1
+    assert budget.allow(50.0) and budget.cut == 1
+    clock.now = 10.0
+    budget.end_item(0.0)
+    clock.now = 95.0  # 2 candidates and the peer still need 35 s: nothing optional is left, fair or not
+    budget.start_item(0.0)
+    assert budget.share_s() == 0.0 and not budget.allow(0.0, fair=True) and budget.cut == 2
+
+
+def test_a_width_round_past_its_share_is_refused_while_the_verdict_round_is_not() -> None:
+    wide = _wide_pairs()
+    budget = RunBudget(30.0, started=0.0, tail_s=0.0, clock=lambda: 0.0)
+    budget.plan(items=10, first_item_s=2.0)
+    budget.start_item(0.0)  # 9 items of 2 s still to come: slack 12 s, share 1.2 s; a round takes 2 s
+    policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median",
+                          width_pool=WidthPool(1e9), run_budget=budget)
+    counter = itertools.count()
+    out = run_rounds(lambda r: wide[r], policy, clock=lambda: 2.0 * next(counter))
+    assert out["stopped"] == "run_budget" and out["widened"] == 0 and budget.cut == 1
+
+
 def test_rounds_past_the_budget_are_charged_to_the_run_budget_not_to_the_item() -> None:
     """An undecided candidate's extra rounds are optional time: counted in ``extended_s``, so the price of an item
     (what the reserve assumes for the items not yet run) stays its mandatory part."""

@@ -106,6 +106,27 @@ def test_undecided(ci, threshold, expected) -> None:
     assert undecided({"ci95": list(ci)}, threshold) is expected
 
 
+@pytest.mark.parametrize(("ci", "margin", "expected"), [
+    ((1.025, 1.06), 0.01, True), ((1.025, 1.06), 0.0, False), ((1.031, 1.06), 0.01, False),
+    ((0.98, 1.01), 0.01, False), ((0.98, 1.05), 0.01, True)])
+def test_a_lower_bound_just_above_the_threshold_is_undecided(ci, margin, expected) -> None:
+    """A CI whose lower bound clears the threshold by less than the margin gives a verdict a repeat may not."""
+    assert undecided({"ci95": list(ci)}, 1.02, margin) is expected
+
+
+def test_a_narrow_ci_just_above_the_threshold_gets_rounds_until_the_extended_budget() -> None:
+    steady = [(1.0, 1 / 1.025)] * 40  # 1.025x every round: a CI of zero width, 0.5 % above a threshold of 1.02
+    base = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median")
+    out = run_rounds(lambda r: steady[r], base, clock=_fake_clock(1.0))
+    assert out["halfwidth"] == 0.0 and out["extended"] > 0 and out["rounds"] == 10
+    plain = run_rounds(lambda r: steady[r], replace(base, verdict_margin=0.0), clock=_fake_clock(1.0))
+    assert plain["rounds"] == 3 and plain["stopped"] == "target" and plain["extended"] == 0
+    clear = run_rounds(lambda r: (1.0, 1 / 1.05), base, clock=_fake_clock(1.0))  # 2.9 % above: decided
+    assert clear["rounds"] == 3 and clear["extended"] == 0
+    with pytest.raises(ValueError, match="verdict_margin"):
+        TimingPolicy(verdict_margin=1.5)
+
+
 def test_extend_factor_is_validated() -> None:
     with pytest.raises(ValueError, match="extend_factor"):
         TimingPolicy(extend_factor=0.5)
@@ -365,6 +386,22 @@ def test_a_pair_timed_in_a_slow_phase_gets_more_rounds() -> None:
     plain = run_rounds(lambda r: samples[r], TimingPolicy(min_rounds=3, max_rounds=12, budget_s=100.0),
                        clock=_fake_clock(1.0))
     assert plain["rounds"] == 3 and plain["dense_excess"] is None
+
+
+def test_a_slow_dense_arm_is_not_timed_again_when_the_verdict_cannot_change() -> None:
+    """A dense arm in a slow phase inflates the speedup; a CI whose upper bound is under the threshold even so gives
+    ``no_stable_gain`` either way, so no rounds are added for it."""
+    from worldfoundry.bench.floor import DenseFloorReference
+
+    ref = DenseFloorReference()
+    ref.update([[0.080] * 4], [42])
+    samples = [(_steps(0.088), _steps(0.0880))] * 3 + [(_steps(0.080), _steps(0.0800))] * 10  # 1.0x throughout
+    policy = TimingPolicy(min_rounds=3, max_rounds=12, budget_s=100.0, dense_reference=ref, threshold=1.02)
+    out = run_rounds(lambda r: samples[r], policy, clock=_fake_clock(1.0))
+    assert out["rounds"] == 3 and out["extended"] == 0 and out["dense_excess"] == pytest.approx(0.1)
+    # the same slow phase under a candidate that could reach the threshold: timed until the phase has passed
+    gaining = [(_steps(0.088), _steps(0.0704))] * 3 + [(_steps(0.080), _steps(0.064))] * 10
+    assert run_rounds(lambda r: gaining[r], policy, clock=_fake_clock(1.0))["extended"] == 1
 
 
 def test_a_slow_phase_that_never_ends_stops_at_the_extended_budget() -> None:

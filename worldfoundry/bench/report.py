@@ -180,8 +180,9 @@ def _timing_line(results: dict[str, Any]) -> str:
             f"{tp['target_halfwidth']:.1%} or {tp['budget_s']:.0f} s per candidate; denoise loop timed with "
             f"{'CUDA events' if results.get('environment', {}).get('device') == 'cuda' else 'perf_counter'}; "
             f"noise floor {_fmt(results.get('noise_floor'), 4)} (no speed verdicts above {tp['max_noise_floor']}); "
-            f"a candidate whose CI straddles {_fmt(tp.get('threshold'), 4)}, or whose dense arm ran slower than "
-            f"the run's dense floor by more than the target half-width, gets rounds up to "
+            f"a candidate whose CI straddles {_fmt(tp.get('threshold'), 4)} or clears it by at most "
+            f"{tp.get('verdict_margin', 0):.1%}, or whose dense arm ran slower than the run's dense floor by more "
+            f"than the target half-width while its CI reaches the threshold, gets rounds up to "
             f"{tp.get('extend_factor', 1):g}x the budget"
             + (f"; garbage collector {tp['gc']}" if tp.get("gc") else ""))
 

@@ -10,7 +10,9 @@ On an H200 at W17 the optional part was 10 s in one run and 100 s in the next.
 clock when ``run_bench`` is called, so validating the candidate file and discovering the plugins count). Before each
 optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
 what is still mandatory (the items not yet started, plus :data:`TAIL_S` for the report). No slack: the round is not
-added, the wait ends, and :attr:`cut` counts it. The mandatory part is never cut: a run whose mandatory part alone
+added, the wait ends, and :attr:`cut` counts it. Optional time that decides no verdict (the host gate's waits, a round
+that only narrows a decided CI) is held to the current item's fair share of the slack (:meth:`RunBudget.share_s`), so
+the first rows cannot spend what the last rows and the peers need; a round that decides a verdict may use all of it. The mandatory part is never cut: a run whose mandatory part alone
 exceeds ``seconds`` overruns, and :meth:`to_json` says by how much.
 
 Candidates and peers are priced apart, each at the **mean** mandatory cost of the finished items of its kind: the
@@ -118,10 +120,19 @@ class RunBudget:
         """Seconds of optional time left (0 when the deadline minus the reserve has passed)."""
         return max(0.0, self.seconds - self.elapsed_s() - self.reserve_s())
 
-    def allow(self, need_s: float = 0.0) -> bool:
+    def share_s(self) -> float:
+        """The current item's fair share of the slack: the slack split evenly between it and the items not started
+        (what an item leaves unused stays in the slack for the next ones)."""
+        return self.slack_s() / (1 + self.items_left + self.peers_left)
+
+    def allow(self, need_s: float = 0.0, *, fair: bool = False) -> bool:
         """Whether an optional round of about ``need_s`` seconds (the last round's) fits in the slack; a refusal is
-        counted in :attr:`cut`."""
-        slack = self.slack_s()
+        counted in :attr:`cut`.
+
+        ``fair=True`` for time that does not decide a verdict (a round that only narrows a decided CI): it must fit
+        in :meth:`share_s`, so the items still to come keep their share. Rounds that decide a verdict (an undecided
+        or fragile CI, a dense arm in a slow phase) may use the whole slack."""
+        slack = self.share_s() if fair else self.slack_s()
         if slack > 0 and slack >= need_s:
             return True
         self.cut += 1

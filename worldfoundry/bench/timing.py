@@ -6,11 +6,12 @@ bound on each candidate's speedup, and the noisy-host rule.
   last step). Text encoding (``encode_s``) and decoding (``decode_s``) stay separate in the pipeline's timings.
 * :func:`run_rounds` adds interleaved paired rounds until the 95% CI half-width of the speedup is at most
   ``target_halfwidth`` (relative to the estimate), or ``max_rounds`` / ``budget_s`` end. A candidate whose CI
-  still straddles the policy's ``threshold`` (the value its lower bound must exceed for ``recommended``) when
-  ``budget_s`` ends gets more rounds, up to ``extend_factor * budget_s``: time goes where the verdict is
-  undecided, not to candidates that are clearly slower or clearly faster. So does a pair whose dense floor is
-  more than ``target_halfwidth`` above the run's :class:`~worldfoundry.bench.floor.DenseFloorReference` (its
-  dense arm ran in a slow phase of the host; ``dense_excess`` in the summary), even when its CI is narrow. The
+  still straddles the policy's ``threshold`` (the value its lower bound must exceed for ``recommended``), or clears
+  it by no more than ``verdict_margin``, when ``budget_s`` ends or its CI is narrow gets more rounds, up to
+  ``extend_factor * budget_s``: time goes where the verdict is undecided or would not repeat, not to candidates
+  that are clearly slower or clearly faster. So does a pair whose dense floor is more than ``target_halfwidth``
+  above the run's :class:`~worldfoundry.bench.floor.DenseFloorReference` (its dense arm ran in a slow phase of the
+  host; ``dense_excess`` in the summary) while its CI reaches the threshold, even when its CI is narrow. The
   estimate is the policy's ``estimator`` (:func:`~worldfoundry.bench.stats.summarize_speed`): by default the step floor
   (:mod:`worldfoundry.bench.floor`) from the per-step times each :class:`Timed` sample carries. A candidate whose
   arms ran on hosts of different speed (:func:`~worldfoundry.bench.host_speed.host_split` of the interpreter probes
@@ -64,6 +65,10 @@ DEFAULT_BOUND_TOLERANCE = 0.05
 DEFAULT_EXTEND_FACTOR = 2.0
 #: Relative difference of the two arms' median host probes above which a candidate gets more rounds.
 DEFAULT_HOST_TOLERANCE = 0.15
+#: How far (relative) a CI's lower bound must clear the threshold before its verdict counts as decided. At W17 on an
+#: H200 one exact stack read 1.038x [0.998, 1.043] in one run and 1.040x [1.029, 1.058] in the next against a
+#: threshold of 1.02: a lower bound 0.9 % above it was ``recommended`` once and not again.
+DEFAULT_VERDICT_MARGIN = 0.01
 
 
 class WidthPool:
@@ -101,7 +106,9 @@ class TimingPolicy:
         estimator: ``step_floor`` (default) or ``paired_median``
             (see :func:`~worldfoundry.bench.stats.summarize_speed`).
         threshold: the decision threshold of the run (``None`` before the control pairs set it): a CI that
-            straddles it when ``budget_s`` ends is undecided and gets more rounds.
+            straddles it, or whose lower bound clears it by at most ``verdict_margin``, is undecided when
+            ``budget_s`` ends or its CI is narrow, and gets more rounds.
+        verdict_margin: see ``threshold`` (relative; 0: only a straddling CI is undecided).
         extend_factor: the budget multiple an undecided candidate may use (1 = never extended).
         dense_reference: the run's dense step floors (``None``: no slow-phase check); updated by the harness as
             pairs complete.
@@ -126,6 +133,7 @@ class TimingPolicy:
     extend_factor: float = DEFAULT_EXTEND_FACTOR
     dense_reference: DenseFloorReference | None = field(default=None, compare=False, repr=False)
     host_tolerance: float = DEFAULT_HOST_TOLERANCE
+    verdict_margin: float = DEFAULT_VERDICT_MARGIN
     width_pool: WidthPool | None = field(default=None, compare=False, repr=False)
     run_budget: RunBudget | None = field(default=None, compare=False, repr=False)
 
@@ -144,6 +152,8 @@ class TimingPolicy:
             raise ValueError(f"extend_factor: must be >= 1, got {self.extend_factor}")
         if not self.host_tolerance > 0:
             raise ValueError(f"host_tolerance: must be > 0, got {self.host_tolerance}")
+        if not 0 <= self.verdict_margin < 1:
+            raise ValueError(f"verdict_margin: must be in [0, 1), got {self.verdict_margin}")
 
 
 def ci_halfwidth(summary: Mapping[str, Any]) -> float:
@@ -164,12 +174,13 @@ def dense_excess(summary: Mapping[str, Any], reference: DenseFloorReference | No
     return floor["dense_floor_s"] / ref - 1.0 if ref else None
 
 
-def undecided(summary: Mapping[str, Any], threshold: float | None) -> bool:
-    """Whether the CI straddles ``threshold`` (lower bound at or below it, upper bound above it)."""
+def undecided(summary: Mapping[str, Any], threshold: float | None, margin: float = 0.0) -> bool:
+    """Whether the CI straddles ``threshold`` (lower bound at or below it, upper bound above it), or its lower bound
+    clears it by no more than ``margin`` (relative): a verdict a repeat run would likely not give again."""
     if threshold is None:
         return False
     low, high = summary["ci95"]
-    return bool(low == low and high == high and low <= threshold < high)
+    return bool(low == low and high == high and low <= threshold * (1.0 + margin) and high > threshold)
 
 
 @dataclass(frozen=True)
@@ -262,11 +273,11 @@ def _past_budget(summary: dict[str, Any], policy: TimingPolicy, narrow: bool, el
     """What a candidate whose CI is narrow or whose budget is spent does next: stop (``"target"``, ``"budget"``,
     ``"run_budget"``) or run one more round (``"extend"``: for the verdict's sake; ``"pool"``: paid by the width
     pool)."""
-    more = _needs_more(summary, policy, narrow) and elapsed < policy.extend_factor * policy.budget_s
+    more = _needs_more(summary, policy) and elapsed < policy.extend_factor * policy.budget_s
     wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
     if not (more or wide):
         return "target" if narrow else "budget"
-    if policy.run_budget is not None and not policy.run_budget.allow(last_round_s):
+    if policy.run_budget is not None and not policy.run_budget.allow(last_round_s, fair=not more):
         return "run_budget"
     return "extend" if more else "pool"
 
@@ -279,14 +290,20 @@ def _charge(policy: TimingPolicy, pool_round: bool, seconds: float) -> None:
         policy.run_budget.extended_s += seconds
 
 
-def _needs_more(summary: dict[str, Any], policy: TimingPolicy, narrow: bool) -> bool:
-    """Rounds past the budget for the verdict's sake: a dense arm in a slow phase, arms on hosts of different speed,
-    or a CI that straddles the threshold."""
+def _needs_more(summary: dict[str, Any], policy: TimingPolicy) -> bool:
+    """Rounds past the budget (or past a narrow CI) for the verdict's sake: a CI that straddles the threshold or
+    clears it by no more than the verdict margin, arms on hosts of different speed, or a dense arm in a slow phase
+    whose speedup could still reach the threshold (a slowed dense arm only inflates the speedup: a CI whose upper
+    bound is under the threshold gives the same verdict without it)."""
+    threshold = policy.threshold
     excess = dense_excess(summary, policy.dense_reference)
     slow = excess is not None and excess > policy.target_halfwidth
+    if slow and threshold is not None:
+        high = summary["ci95"][1]
+        slow = not high < threshold
     split = summary["host_split"]
     slow = slow or (split is not None and abs(split) > policy.host_tolerance)
-    return slow or (not narrow and undecided(summary, policy.threshold))
+    return slow or undecided(summary, threshold, policy.verdict_margin)
 
 
 def _summarize(dense: list[Timed], cand: list[Timed], policy: TimingPolicy) -> dict[str, Any]:
