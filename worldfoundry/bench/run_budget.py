@@ -10,9 +10,10 @@ On an H200 at W17 the optional part was 10 s in one run and 100 s in the next.
 clock when ``run_bench`` is called, so validating the candidate file and discovering the plugins count). Before each
 optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
 what is still mandatory (the items not yet started, plus :data:`TAIL_S` for the report). No slack: the round is not
-added, the wait ends, and :attr:`cut` counts it. Optional time that decides no verdict (the host gate's waits, a round
-that only narrows a decided CI) is held to the current item's fair share of the slack (:meth:`RunBudget.share_s`), so
-the first rows cannot spend what the last rows and the peers need; a round that decides a verdict may use all of it. The mandatory part is never cut: a run whose mandatory part alone
+added, the wait ends, and :attr:`cut` counts it. A round that only narrows a decided CI (the width pool's) is held to
+the current item's fair share of the slack (:meth:`RunBudget.share_s`), so the first rows cannot spend what the last
+rows and the peers need; a round that decides a verdict, and a host-gate wait (a generation timed in a slow phase is
+lost to the step floor), may use all of it. The mandatory part is never cut: a run whose mandatory part alone
 exceeds ``seconds`` overruns, and :meth:`to_json` says by how much.
 
 Candidates and peers are priced apart, each at the **mean** mandatory cost of the finished items of its kind: the
@@ -129,7 +130,7 @@ class RunBudget:
         """Whether an optional round of about ``need_s`` seconds (the last round's) fits in the slack; a refusal is
         counted in :attr:`cut`.
 
-        ``fair=True`` for time that does not decide a verdict (a round that only narrows a decided CI): it must fit
+        ``fair=True`` for a round that does not decide a verdict (it only narrows a decided CI): it must fit
         in :meth:`share_s`, so the items still to come keep their share. Rounds that decide a verdict (an undecided
         or fragile CI, a dense arm in a slow phase) may use the whole slack."""
         slack = self.share_s() if fair else self.slack_s()
