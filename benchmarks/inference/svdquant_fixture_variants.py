@@ -14,6 +14,13 @@ scales per token and group of 128), against the draft budget (latent rel L2 <= 0
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-pool10      # 10 calibration requests
     python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-only0 ch-r64-gptq-skip03 \
         ch-rtn-skip03                    # one block's FFNs alone; every block but 0 and 3, SVDQuant and RTN
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-keep2 ch-rtn-keep2 \
+        --out /tmp/keep2                 # the 2 most sensitive blocks (on calibration data) dense; RTN on the rest
+    python benchmarks/inference/svdquant_fixture_variants.py --only ch-r64-gptq-keep2 ch-rtn-keep2 \
+        --out /tmp/keep2 --reuse-artifacts --seeds 21 22 23 24 --bench-dir bench-21-24   # same artifacts, held out
+
+A variant's flags may name ``{out}`` (the ``--out`` folder): ``--dense-from {out}/OTHER.json`` reads another
+variant's artifact, so such variants are calibrated after the others.
 """
 
 from __future__ import annotations
@@ -85,6 +92,20 @@ VARIANTS: dict[str, list[str]] = {
        for a in (13, 15, 17, 19)},
     "ch-rtn-skip03": ["--method", "rtn", "--group-size", "channel",
                       "--include", *[f"blocks.{k}.ffn.{j}" for k in (1, 2, 4, 5) for j in (0, 2)]],
+    # mixed precision chosen on the calibration requests alone: each block's FFN pair quantized alone, the two whose
+    # final calibration latents move most stay dense (``--keep-dense``); the RTN baseline quantizes exactly the
+    # Linears that selection kept quantized (``--dense-from`` the SVDQuant artifact: calibrate that one first)
+    **{f"ch-r64-gptq{pool}-keep{n}": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*",
+                                      "--rounding", "gptq", "--keep-dense", str(n), *seeds]
+       for n in (1, 2) for pool, seeds in (("", []), ("-pool10", ["--seeds", *[str(s) for s in range(11, 21)]]))},
+    **{f"ch-rtn{pool}-keep{n}": ["--method", "rtn", "--group-size", "channel", "--dense-from",
+                                 f"{{out}}/ch-r64-gptq{pool}-keep{n}.json"]
+       for n in (1, 2) for pool in ("", "-pool10")},
+    # the same per Linear: the four Linears whose quantization alone moves the calibration latents most stay dense
+    "ch-r64-gptq-lin-keep4": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding",
+                              "gptq", "--keep-dense", "4", "--sensitivity-unit", "linear"],
+    "ch-rtn-lin-keep4": ["--method", "rtn", "--group-size", "channel", "--dense-from",
+                         "{out}/ch-r64-gptq-lin-keep4.json"],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
@@ -102,18 +123,24 @@ def main() -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=WORKLOAD["seeds"],
                         help="seeds the bench judges quality on (default the evaluation seeds 42 43; others, e.g. "
                              "21-24, validate without touching them)")
+    parser.add_argument("--reuse-artifacts", action="store_true",
+                        help="bench a variant's artifact already under --out instead of calibrating it again")
+    parser.add_argument("--bench-dir", default="bench", help="folder under --out receiving the bench's results")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     candidates = []
-    for name in args.only:
+    # variants reading another variant's artifact (``{out}``) are calibrated after the others
+    for name in sorted(args.only, key=lambda n: any("{out}" in f for f in VARIANTS[n])):
         artifact = out / f"{name}.json"
-        cmd = ["worldfoundry", "calibrate", "svdquant", "--recipe", "tiny-wan2.1-trained", "--include",
-               "blocks.*.ffn.0", "blocks.*.ffn.2", *VARIANTS[name], "--out", str(artifact)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"{name}: calibration failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
-            continue
+        flags = [f.replace("{out}", str(out)) for f in VARIANTS[name]]
+        if not (args.reuse_artifacts and artifact.is_file()):
+            cmd = ["worldfoundry", "calibrate", "svdquant", "--recipe", "tiny-wan2.1-trained", "--include",
+                   "blocks.*.ffn.0", "blocks.*.ffn.2", *flags, "--out", str(artifact)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"{name}: calibration failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
+                continue
         for backend in args.backends:
             for group in args.activation_groups if backend == "reference" else ["token"]:
                 options = {"artifact": str(artifact), "backend": backend}
@@ -122,17 +149,19 @@ def main() -> int:
                 suffix = ("" if backend == "reference" else f"@{backend}") + \
                     ("" if group == "token" else f"@act{group}")
                 candidates.append({"name": name + suffix, "accelerations": {"svdquant": options},
-                                   "notes": "calibrate flags: " + " ".join(VARIANTS[name])})
+                                   "notes": "calibrate flags: " + " ".join(flags)})
     spec = {"model": "tiny-wan2.1-trained", "workload": {**WORKLOAD, "seeds": list(args.seeds)},
             "quality_budget": BUDGET,
             "timing": {"rounds": 3}, "candidates": candidates}
-    (out / "candidates.json").write_text(json.dumps(spec, indent=1))
-    bench = subprocess.run(["worldfoundry", "bench", "--candidates", str(out / "candidates.json"), "--quality-only",
-                            "--out", str(out / "bench")], capture_output=True, text=True)
+    bench_dir = out / args.bench_dir
+    spec_file = out / ("candidates.json" if args.bench_dir == "bench" else f"candidates-{args.bench_dir}.json")
+    spec_file.write_text(json.dumps(spec, indent=1))
+    bench = subprocess.run(["worldfoundry", "bench", "--candidates", str(spec_file), "--quality-only",
+                            "--out", str(bench_dir)], capture_output=True, text=True)
     if bench.returncode != 0:
         print(bench.stderr.strip()[-800:], file=sys.stderr)
         return bench.returncode
-    results = json.loads((out / "bench" / "results.json").read_text())
+    results = json.loads((bench_dir / "results.json").read_text())
     print(f"{'variant':<24} {'rel L2':>8} {'PSNR dB':>8} {'min SSIM':>9}  within draft budget")
     for c in results["candidates"]:
         worst = c["quality"]["worst"]

@@ -6,6 +6,10 @@ Subcommands:
   the input statistics of the selected Linears and write the ``worldfoundry-svdquant-v1`` artifact
   (``--out NAME.json`` + ``NAME.safetensors``, or ``--out NAME.pt``).
 
+  ``--keep-dense N`` keeps the N units (blocks, or Linears) whose quantization alone changes the calibration
+  requests' result most dense (``svdquant_sensitivity``); ``--dense-from ARTIFACT`` leaves out the Linears
+  another artifact's selection kept dense.
+
 Example::
 
     worldfoundry calibrate svdquant --recipe tiny-wan2.1-trained --include 'blocks.*.ffn.0' 'blocks.*.ffn.2' \\
@@ -69,6 +73,18 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine", type=int, default=0, metavar="N",
                    help="alternate N times between refitting the low-rank pair to what the INT4 codes left and "
                         "requantizing; the decomposition with the least calibration-output error is kept")
+    p.add_argument("--keep-dense", type=int, default=0, metavar="N",
+                   help="mixed precision from the calibration requests alone: quantize each unit (see "
+                        "--sensitivity-unit) alone, rerun the requests, and keep the N units that change the result "
+                        "most dense (left out of the artifact); scores recorded under calibration.sensitivity")
+    p.add_argument("--sensitivity-unit", choices=["block", "linear"], default="block",
+                   help="what --keep-dense ranks and keeps dense: a block's selected Linears together, or each Linear")
+    p.add_argument("--sensitivity-metric", choices=["latent_rel_l2", "min_ssim", "psnr_db"], default="latent_rel_l2",
+                   help="score --keep-dense ranks units by: the final latent's relative L2 to the dense run, or the "
+                        "worst frame's SSIM / the PSNR of the decoded frames (worst over the calibration requests)")
+    p.add_argument("--dense-from", default=None, metavar="ARTIFACT",
+                   help="leave out the Linears that ARTIFACT's --keep-dense selection kept dense (e.g. an RTN baseline "
+                        "on exactly the Linears a sensitivity selection quantized)")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
     p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
     p.add_argument("--frames", type=int, default=17)
@@ -97,10 +113,14 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
     from worldfoundry.core.acceleration.quantization.svdquant_artifact import save_svdquant_artifact
     from worldfoundry.core.model_loading.policy import RuntimePolicy
 
+    from worldfoundry.base_models.diffusion_model.svdquant_sensitivity import check_keep_dense
     from worldfoundry.core.acceleration.quantization.lowrank_fit import MAX_REFINE
 
     if not 0 <= args.refine <= MAX_REFINE:  # refused before the calibration requests run
         raise InvalidRequestError(f"--refine must be an integer in [0, {MAX_REFINE}], got {args.refine}")
+    check_keep_dense(args.keep_dense)
+    if args.keep_dense and args.dense_from is not None:
+        raise InvalidRequestError("give --keep-dense N or --dense-from ARTIFACT, not both")
     policy_kwargs: dict[str, Any] = {"device": args.device}
     if args.dtype is not None:
         policy_kwargs["dtype"] = args.dtype
@@ -112,16 +132,20 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             references=args.save_references, method=args.method, rank=args.rank, group_size=args.group_size,
             alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed, rounding=args.rounding,
-            lowrank_fit=args.lowrank_fit, refine=args.refine)
+            lowrank_fit=args.lowrank_fit, refine=args.refine, keep_dense=args.keep_dense,
+            sensitivity_unit=args.sensitivity_unit, sensitivity_metric=args.sensitivity_metric,
+            dense_from=args.dense_from)
     manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
     manifest["calibration"]["random_weights"] = bool(args.random_weights)
     out = save_svdquant_artifact(manifest, tensors, args.out)
     errors = {p: e["diagnostics"]["weight_rel_l2"] for p, e in manifest["linears"].items()}
+    sensitivity = manifest["calibration"].get("sensitivity") or {}
     return {"artifact": str(out), "method": manifest["method"], "rounding": args.rounding,
             "lowrank_fit": args.lowrank_fit, "refine": args.refine, "rank": manifest["rank"],
             "group_size": manifest["group_size"], "linears": len(errors),
             "weight_rel_l2_max": max(errors.values()), "weight_rel_l2": errors,
-            "references": args.save_references}
+            "references": args.save_references, "kept_dense": sensitivity.get("kept_dense_linears", []),
+            "sensitivity": {u: s.get(sensitivity.get("metric")) for u, s in (sensitivity.get("scores") or {}).items()}}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -140,6 +164,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"artifact: {summary['artifact']}  ({summary['method']}, rank {summary['rank']}, {grouping}, "
               f"{summary['linears']} Linears, max weight rel L2 "
               f"{summary['weight_rel_l2_max']:.4f})")
+        if summary["kept_dense"]:
+            print(f"kept dense: {' '.join(summary['kept_dense'])}")
     return 0
 
 

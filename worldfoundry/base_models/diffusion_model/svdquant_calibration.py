@@ -12,6 +12,10 @@ Steps (``worldfoundry calibrate svdquant`` runs all of them):
 4. :func:`build_svdquant_artifact` decomposes every Linear (smoothing, SVD, INT4 residual; ``method="rtn"``:
    no smoothing, rank 0) and builds the manifest, with the SHA256 of every source parameter and the
    calibration provenance.
+5. With ``keep_dense=N``, :func:`calibrate_pipeline` then quantizes each unit (a block's Linears, or one Linear)
+   alone, runs the same calibration requests again and leaves the ``N`` units that move the result most out of
+   the artifact (``svdquant_sensitivity``; scores under ``calibration.sensitivity``); ``dense_from`` leaves out
+   the Linears another artifact's selection kept dense.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -30,6 +35,18 @@ from worldfoundry.base_models.diffusion_model.optimizations.linear_aliases impor
 from worldfoundry.base_models.diffusion_model.optimizations.projection_selection import (
     SelectedLinear,
     select_linears,
+)
+from worldfoundry.base_models.diffusion_model.svdquant_sensitivity import (
+    RequestOutput,
+    check_keep_dense,
+    check_metric,
+    check_unit,
+    drop_linears,
+    group_units,
+    kept_dense_from_artifact,
+    measure_sensitivity,
+    sensitivity_record,
+    weight_from_tensors,
 )
 from worldfoundry.core.acceleration.patching import PatchRecorder
 from worldfoundry.core.acceleration.quantization.parameter_digest import parameter_digests
@@ -277,6 +294,8 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
                        seeds: Sequence[int] = CALIBRATION_SEEDS, frames: int | None = None,
                        height: int | None = None, width: int | None = None, steps: int | None = None,
                        guidance: float | None = None, references: str | Path | None = None,
+                       keep_dense: int = 0, sensitivity_unit: str = "block",
+                       sensitivity_metric: str = "latent_rel_l2", dense_from: str | Path | None = None,
                        **decomposition: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Run the calibration requests through ``pipe`` (a ``NativeDiffusionPipeline`` without accelerations)
     under an :class:`InputAbsmaxObserver` and build the artifact.
@@ -288,46 +307,121 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
         seeds: calibration seeds (11, 12 by default).
         frames, height, width, steps, guidance: request size (recipe defaults when ``None``).
         references: directory receiving ``calibration_<seed>.pt`` (``{"latents", "video"}``) per request.
+        keep_dense, sensitivity_unit, sensitivity_metric: keep the ``keep_dense`` units (``"block"`` or
+            ``"linear"``) most sensitive on ``sensitivity_metric`` dense, each unit quantized alone on the same
+            requests (``svdquant_sensitivity``); 0 measures nothing.
+        dense_from: an artifact written with ``keep_dense``: its kept-dense Linears are left out of this one.
         **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed``, ``rounding``,
-            ``lowrank_fit``, ``refine`` for
-            :func:`build_svdquant_artifact`.
+            ``lowrank_fit``, ``refine`` for :func:`build_svdquant_artifact`.
 
     Returns:
         ``(manifest, tensors)``.
 
     Raises:
-        InvalidRequestError: evaluation seeds used for calibration, no seeds, an accelerated model, or bad include.
+        InvalidRequestError: evaluation seeds used for calibration, no seeds, an accelerated model, bad include,
+            a ``keep_dense`` not below the number of units, or ``keep_dense`` with ``dense_from``.
     """
-    from worldfoundry.core.acceleration.session import get_session
+    seeds = [int(s) for s in seeds]  # the requests and the mixed-precision settings are checked before any runs
+    _check_requests(seeds, prompts, keep_dense, dense_from, sensitivity_unit, sensitivity_metric)
+    model = pipe.components.denoiser.model
+    selected, inherited = _selection(model, include, dense_from)
+    units = group_units([s.path for s in selected], sensitivity_unit)
+    check_keep_dense(keep_dense, len(units) if keep_dense else None)
+    out_dir = Path(references) if references is not None else None
+    size = {"frames": frames, "height": height, "width": width, "steps": steps, "guidance": guidance}
+    moments = needs_moments(decomposition.get("rounding", "nearest"), decomposition.get("lowrank_fit", "svd"),
+                            decomposition.get("refine", 0))
+    with InputAbsmaxObserver(selected, second_moments=moments) as observer:
+        dense = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, **size)
+                 for i, seed in enumerate(seeds)]
+    recipe = getattr(getattr(pipe, "recipe", None), "name", None)
+    provenance = {"recipe": recipe, "requests": [entry for entry, _ in dense], "seeds": seeds, **size,
+                  "device": str(next(model.parameters()).device),
+                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    manifest, tensors = build_svdquant_artifact(model, selected, observer.absmax, include=include,
+                                                calibration=provenance, observer=observer, **decomposition)
+    if keep_dense:
+        _keep_sensitive_dense(selected, units, manifest, tensors, partial(_rerun, pipe, prompts, seeds, size),
+                              [out for _, out in dense], keep_dense=keep_dense, unit=sensitivity_unit,
+                              metric=sensitivity_metric)
+    elif inherited is not None:
+        manifest["calibration"]["sensitivity"] = inherited
+    return manifest, tensors
 
-    seeds = [int(s) for s in seeds]
+
+def _rerun(pipe: Any, prompts: Sequence[str], seeds: Sequence[int], size: Mapping[str, Any]) -> list[RequestOutput]:
+    """The calibration requests again (nothing recorded): their outputs."""
+    return [_calibration_request(pipe, prompts[i % len(prompts)], seed, None, **size)[1]
+            for i, seed in enumerate(seeds)]
+
+
+def _check_requests(seeds: Sequence[int], prompts: Sequence[str], keep_dense: int,
+                    dense_from: str | Path | None, unit: str, metric: str) -> None:
+    """Refuse bad calibration requests or mixed-precision settings before anything runs."""
     if not seeds or not prompts:
         raise InvalidRequestError("give at least one calibration seed and prompt")
     overlap = sorted(set(seeds) & set(EVALUATION_SEEDS))
     if overlap:
         raise InvalidRequestError(f"seeds {overlap} are evaluation seeds; calibrate on other seeds (default 11 12)")
-    model = pipe.components.denoiser.model
+    check_keep_dense(keep_dense)
+    check_unit(unit)
+    check_metric(metric)
+    if keep_dense and dense_from is not None:
+        raise InvalidRequestError("give --keep-dense N or --dense-from ARTIFACT, not both")
+
+
+def _selection(model: nn.Module, include: Sequence[str],
+               dense_from: str | Path | None) -> tuple[list[SelectedLinear], dict[str, Any] | None]:
+    """The Linears to calibrate: ``include``'s, less the kept-dense Linears of ``dense_from`` (with its record).
+
+    Raises:
+        InvalidRequestError: an accelerated model; ``dense_from`` keeps dense a Linear ``include`` does not
+            select, or every one.
+    """
+    from worldfoundry.core.acceleration.session import get_session
+
     if get_session(model) is not None:
         raise InvalidRequestError("calibrate the dense model: uninstall its accelerations first")
     selected = select_for_calibration(model, include)
-    out_dir = Path(references) if references is not None else None
-    moments = needs_moments(decomposition.get("rounding", "nearest"), decomposition.get("lowrank_fit", "svd"),
-                            decomposition.get("refine", 0))
-    with InputAbsmaxObserver(selected, second_moments=moments) as observer:
-        sources = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, frames=frames, height=height,
-                                        width=width, steps=steps, guidance=guidance)
-                   for i, seed in enumerate(seeds)]
-    recipe = getattr(getattr(pipe, "recipe", None), "name", None)
-    provenance = {"recipe": recipe, "requests": sources, "seeds": seeds, "frames": frames, "height": height,
-                  "width": width, "steps": steps, "guidance": guidance,
-                  "device": str(next(model.parameters()).device),
-                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
-    return build_svdquant_artifact(model, selected, observer.absmax, include=include, calibration=provenance,
-                                   observer=observer, **decomposition)
+    if dense_from is None:
+        return selected, None
+    inherited = kept_dense_from_artifact(dense_from)
+    dense = set(inherited["kept_dense_linears"])
+    unknown = sorted(dense - {s.path for s in selected})
+    if unknown:
+        raise InvalidRequestError(f"--dense-from {dense_from}: keeps dense {unknown[0]}, which --include does not "
+                                  "select; calibrate with the same --include")
+    kept = [s for s in selected if s.path not in dense]
+    if not kept:
+        raise InvalidRequestError(f"--dense-from {dense_from}: keeps every selected Linear dense")
+    return kept, inherited
 
 
-def _calibration_request(pipe: Any, prompt: str, seed: int, out_dir: Path | None, **size: Any) -> dict[str, Any]:
-    """Generate one calibration request; its provenance entry (and ``calibration_<seed>.pt`` under ``out_dir``)."""
+def _keep_sensitive_dense(selected: Sequence[SelectedLinear], units: Mapping[str, Sequence[str]],
+                          manifest: dict[str, Any], tensors: dict[str, torch.Tensor], rerun: Any,
+                          dense: Sequence[RequestOutput], *, keep_dense: int, unit: str, metric: str) -> None:
+    """Measure each unit's sensitivity with the artifact's own tensors, drop the ``keep_dense`` most sensitive
+    units' Linears from the artifact and record it all under ``calibration.sensitivity`` (in place)."""
+    from worldfoundry.core.acceleration.kernels.svdquant_dispatch import choose_backend
+
+    modules = {s.path: s.module for s in selected}
+    group = int(manifest["group_size"])
+    weights = {p: weight_from_tensors(tensors, p, group, m.weight.device) for p, m in modules.items()}
+    device = next(iter(modules.values())).weight.device
+    backend = choose_backend(device, "auto", group).backend
+    scores = measure_sensitivity(rerun, dense, units, modules, weights)
+    record = sensitivity_record(scores, keep_dense=keep_dense, unit=unit, metric=metric, backend=backend,
+                                seeds=[o.seed for o in dense])
+    logger.info("svdquant sensitivity (%s, %s): %s; kept dense: %s", unit, metric,
+                ", ".join(f"{u} {scores[u][metric]:.4g}" for u in record["ranking"]), record["kept_dense"])
+    drop_linears(manifest, tensors, record["kept_dense_linears"])
+    manifest["calibration"]["sensitivity"] = record
+
+
+def _calibration_request(pipe: Any, prompt: str, seed: int, out_dir: Path | None,
+                         **size: Any) -> tuple[dict[str, Any], RequestOutput]:
+    """Generate one calibration request; its provenance entry (and ``calibration_<seed>.pt`` under ``out_dir``)
+    and its output."""
     from worldfoundry.base_models.diffusion_model.request import DiffusionRequest
 
     request = DiffusionRequest(prompt=prompt, seed=seed, num_frames=size["frames"], height=size["height"],
@@ -341,7 +435,7 @@ def _calibration_request(pipe: Any, prompt: str, seed: int, out_dir: Path | None
         video = torch.from_numpy(result.frames.copy()) if result.frames is not None else None
         torch.save({"latents": result.latents.detach().cpu(), "video": video, "prompt": prompt, "seed": seed}, ref)
         entry["reference"] = str(ref)
-    return entry
+    return entry, RequestOutput(seed, result.latents.detach(), result.frames)
 
 
 __all__ = [

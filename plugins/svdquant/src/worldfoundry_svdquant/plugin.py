@@ -145,7 +145,8 @@ def _artifact_summary(artifact: SVDQuantArtifact) -> dict[str, Any]:
     return {"file": artifact.file, "format": m["format"], "method": m["method"], "rank": m["rank"],
             "group_size": m["group_size"], "scale_grouping": describe_grouping(int(m["group_size"])),
             "alpha": m.get("alpha"), "include": list(m.get("include", [])),
-            "calibration_seeds": list((m.get("calibration") or {}).get("seeds", []))}
+            "calibration_seeds": list((m.get("calibration") or {}).get("seeds", [])),
+            "kept_dense": list(((m.get("calibration") or {}).get("sensitivity") or {}).get("kept_dense_linears", []))}
 
 
 def _activate(model: nn.Module, opts: Options, artifact: SVDQuantArtifact, selected: Sequence[SelectedLinear],
