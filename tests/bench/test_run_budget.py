@@ -147,13 +147,19 @@ def test_time_that_decides_no_verdict_is_held_to_the_items_fair_share() -> None:
     budget.plan(items=4, first_item_s=10.0, peers=1)
     budget.start_item(0.0)  # 3 candidates and 1 peer (15 s) still to come: reserve 45 s, slack 55 s
     assert budget.slack_s() == pytest.approx(55.0) and budget.share_s() == pytest.approx(11.0)
-    assert budget.allow(11.0, fair=True) and not budget.allow(12.0, fair=True) and budget.cut == 1
-    assert budget.allow(50.0) and budget.cut == 1
+    # the share it was given at its start leaves out its own 10 s: (55 - 10) / 5
+    assert budget.item_share_s == pytest.approx(9.0) and budget.fair_room_s() == pytest.approx(9.0)
+    assert budget.allow(9.0, fair=True) and not budget.allow(9.5, fair=True) and budget.cut == 1
+    budget.charge_fair(6.0)  # a fair round took 6 s: 3 s of its share are left, whatever the slack says
+    assert budget.fair_room_s() == pytest.approx(3.0) and not budget.allow(4.0, fair=True) and budget.cut == 2
+    assert budget.allow(50.0) and budget.cut == 2  # a round that decides a verdict may use the whole slack
     clock.now = 10.0
     budget.end_item(0.0)
     clock.now = 95.0  # 2 candidates and the peer still need 35 s: nothing optional is left, fair or not
     budget.start_item(0.0)
-    assert budget.share_s() == 0.0 and not budget.allow(0.0, fair=True) and budget.cut == 2
+    assert budget.share_s() == 0.0 and not budget.allow(0.0, fair=True) and budget.cut == 3
+    budget.end_item(0.0)
+    assert budget.item_share_s is None
 
 
 def test_a_width_round_past_its_share_is_refused_while_the_verdict_round_is_not() -> None:
@@ -166,6 +172,20 @@ def test_a_width_round_past_its_share_is_refused_while_the_verdict_round_is_not(
     counter = itertools.count()
     out = run_rounds(lambda r: wide[r], policy, clock=lambda: 2.0 * next(counter))
     assert out["stopped"] == "run_budget" and out["widened"] == 0 and budget.cut == 1
+
+
+def test_width_rounds_stop_at_the_share_the_item_was_given() -> None:
+    """The slack seen round by round stays large here (the run budget's clock stands still), so only the share
+    fixed at the item's start, which the width rounds' time is charged to, ends them."""
+    budget = RunBudget(30.0, started=0.0, tail_s=0.0, clock=lambda: 0.0)
+    budget.plan(items=2, first_item_s=10.0)
+    budget.start_item(0.0)  # 1 item of 10 s to come: slack 20 s, its share (20 - 10) / 2 = 5 s
+    policy = TimingPolicy(min_rounds=3, max_rounds=30, budget_s=4.0, threshold=1.02, estimator="paired_median",
+                          width_pool=WidthPool(1e9), run_budget=budget)
+    counter = itertools.count()
+    out = run_rounds(lambda r: _wide_pairs()[r], policy, clock=lambda: float(next(counter)))
+    assert out["widened"] >= 1 and out["stopped"] == "run_budget" and out["rounds"] < 30
+    assert budget.item_fair_s <= 5.0 + 3.0 and budget.share_s() == pytest.approx(10.0)
 
 
 def test_rounds_past_the_budget_are_charged_to_the_run_budget_not_to_the_item() -> None:

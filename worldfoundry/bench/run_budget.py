@@ -11,10 +11,12 @@ clock when ``run_bench`` is called, so validating the candidate file and discove
 optional round or wait it asks :meth:`RunBudget.slack_s`: the seconds left before the deadline minus a reserve for
 what is still mandatory (the items not yet started, plus :data:`TAIL_S` for the report). No slack: the round is not
 added, the wait ends, and :attr:`cut` counts it. A round that only narrows a decided CI (the width pool's) is held to
-the current item's fair share of the slack (:meth:`RunBudget.share_s`), so the first rows cannot spend what the last
-rows and the peers need; a round that decides a verdict, and a host-gate wait (a generation timed in a slow phase is
-lost to the step floor), may use all of it. The mandatory part is never cut: a run whose mandatory part alone
-exceeds ``seconds`` overruns, and :meth:`to_json` says by how much.
+the current item's fair share of the slack (:meth:`RunBudget.fair_room_s`: the share fixed when it started, less
+the fair rounds it has run, and never more than its share of the slack now), so the first rows cannot spend what
+the last rows and the peers need (at W17 on an H200 an early row ran ten rounds, five of them width rounds, 43 s
+with its host waits, and a later row's verdict round was refused); a round that decides a verdict, and a host-gate
+wait (a generation timed in a slow phase is lost to the step floor), may use all of it. The mandatory part is never
+cut: a run whose mandatory part alone exceeds ``seconds`` overruns, and :meth:`to_json` says by how much.
 
 Candidates and peers are priced apart, each at the **mean** mandatory cost of the finished items of its kind: the
 reserve stands for the sum of the items left, and a median under-prices it whenever costs are skewed (at W17 on an
@@ -84,6 +86,10 @@ class RunBudget:
         #: arm in a slow phase): optional time, left out of the items' prices
         self.extended_s = 0.0
         self._item_started: tuple[float, float, str] | None = None
+        #: the current item's fair share, fixed when it started (``None``: no item started), and the seconds of
+        #: fair rounds it has spent (:meth:`charge_fair`)
+        self.item_share_s: float | None = None
+        self.item_fair_s = 0.0
 
     def plan(self, items: int, first_item_s: float, *, peers: int = 0) -> None:
         """``items`` candidates still to run, priced at ``first_item_s`` each until one has finished, and ``peers``
@@ -122,18 +128,31 @@ class RunBudget:
         return max(0.0, self.seconds - self.elapsed_s() - self.reserve_s())
 
     def share_s(self) -> float:
-        """The current item's fair share of the slack: the slack split evenly between it and the items not started
-        (what an item leaves unused stays in the slack for the next ones)."""
+        """The current item's fair share of the slack now: the slack split evenly between it and the items not
+        started (what an item leaves unused stays in the slack for the next ones)."""
         return self.slack_s() / (1 + self.items_left + self.peers_left)
+
+    def fair_room_s(self) -> float:
+        """Seconds of fair rounds the current item may still add: its share now, and no more than what is left of
+        the share it was given when it started (:attr:`item_share_s` minus :attr:`item_fair_s`), so one item
+        cannot take round after round while the slack is large early in a run."""
+        room = self.share_s()
+        if self.item_share_s is not None:
+            room = min(room, self.item_share_s - self.item_fair_s)
+        return max(0.0, room)
+
+    def charge_fair(self, seconds: float) -> None:
+        """A fair round of the current item took ``seconds``."""
+        self.item_fair_s += max(0.0, float(seconds))
 
     def allow(self, need_s: float = 0.0, *, fair: bool = False) -> bool:
         """Whether an optional round of about ``need_s`` seconds (the last round's) fits in the slack; a refusal is
         counted in :attr:`cut`.
 
         ``fair=True`` for a round that does not decide a verdict (it only narrows a decided CI): it must fit
-        in :meth:`share_s`, so the items still to come keep their share. Rounds that decide a verdict (an undecided
+        in :meth:`fair_room_s`, so the items still to come keep their share. Rounds that decide a verdict (an undecided
         or fragile CI, a dense arm in a slow phase) may use the whole slack."""
-        slack = self.share_s() if fair else self.slack_s()
+        slack = self.fair_room_s() if fair else self.slack_s()
         if slack > 0 and slack >= need_s:
             return True
         self.cut += 1
@@ -149,6 +168,9 @@ class RunBudget:
         else:
             self.items_left = max(0, self.items_left - 1)
         self._item_started = (self._clock(), float(optional_s), kind)
+        own = self.peer_s if kind == "peer" else self.item_s  # its own mandatory part is not slack it may spend
+        self.item_share_s = max(0.0, self.slack_s() - own) / (1 + self.items_left + self.peers_left)
+        self.item_fair_s = 0.0
 
     def end_item(self, optional_s: float = 0.0) -> None:
         """The item begun by :meth:`start_item` ended; ``optional_s``: the run's optional seconds now. The item's
@@ -159,6 +181,7 @@ class RunBudget:
         added = max(0.0, float(optional_s) - optional_before)
         (self.peer_costs if kind == "peer" else self.costs).append(max(0.0, self._clock() - began - added))
         self._item_started = None
+        self.item_share_s = None
 
     def to_json(self) -> dict[str, Any]:
         """The limit, the time used so far, the overrun it implies with the tail still to come, the prices of a

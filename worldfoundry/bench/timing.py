@@ -286,6 +286,8 @@ def _charge(policy: TimingPolicy, pool_round: bool, seconds: float) -> None:
     """An optional round's time: to the width pool when it paid for it, else to the run budget's ``extended_s``."""
     if pool_round:
         policy.width_pool.spent += seconds
+        if policy.run_budget is not None:
+            policy.run_budget.charge_fair(seconds)
     elif policy.run_budget is not None:
         policy.run_budget.extended_s += seconds
 
