@@ -55,15 +55,20 @@ class RequestOutput:
     frames: np.ndarray | None = None
 
 
+def _choice(flag: str, value: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a one-line error naming ``flag``."""
+    if value not in choices:
+        raise InvalidRequestError(f"{flag} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
 def check_unit(unit: str) -> str:
     """``unit`` if it is one of :data:`SENSITIVITY_UNITS`.
 
     Raises:
         InvalidRequestError: otherwise.
     """
-    if unit not in SENSITIVITY_UNITS:
-        raise InvalidRequestError(f"--sensitivity-unit must be one of {list(SENSITIVITY_UNITS)}, got {unit!r}")
-    return unit
+    return _choice("--sensitivity-unit", unit, SENSITIVITY_UNITS)
 
 
 def unit_of(path: str, unit: str = "block") -> str:
@@ -110,9 +115,7 @@ def check_metric(metric: str) -> str:
     Raises:
         InvalidRequestError: otherwise.
     """
-    if metric not in SENSITIVITY_METRICS:
-        raise InvalidRequestError(f"--sensitivity-metric must be one of {list(SENSITIVITY_METRICS)}, got {metric!r}")
-    return metric
+    return _choice("--sensitivity-metric", metric, SENSITIVITY_METRICS)
 
 
 def weight_from_tensors(tensors: Mapping[str, torch.Tensor], path: str, group_size: int,
