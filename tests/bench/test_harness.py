@@ -315,3 +315,24 @@ def test_report_names_a_speedup_taken_against_the_run_dense_floor(tmp_path: Path
             "(host slow phase), and the candidate was device-bound (host busy 4% of its steps); against its own "
             "dense arm 2.097× [2.070, 2.107]") in text
     assert "the candidate was host-bound too (host busy 97% of its steps), so its own pair's estimate stands" in text
+
+
+def test_report_marks_a_verdict_that_had_not_settled_when_its_rounds_ended(tmp_path: Path) -> None:
+    def row(name: str, verdict: str, ci: list[float]) -> dict:
+        speed = {"speedup": sum(ci) / 2, "ci95": ci, "halfwidth": 0.01, "rounds": 5, "stopped": "run_budget"}
+        return {"name": name, "verdict": verdict, "accelerations": {name: {}}, "speed": speed}
+
+    results = {"model": "m", "git": {"revision": "abc", "dirty": False}, "environment": {"device": "cpu"},
+               "budget": {"latent_rel_l2": 0.03, "psnr_db": 33.0, "min_ssim": 0.98}, "workload": {},
+               "seeds": [1], "rounds": 5, "dense": {},
+               "timing_policy": {"min_rounds": 4, "max_rounds": 20, "target_halfwidth": 0.02, "budget_s": 6.0,
+                                 "max_noise_floor": 1.05, "threshold": 1.02, "verdict_margin": 0.01,
+                                 "extend_factor": 2.0},
+               "candidates": [row("close", "recommended", [1.025, 1.06]), row("straddles", "no_stable_gain",
+                                                                            [0.99, 1.04]),
+                              row("clear", "recommended", [1.2, 1.3]), row("slower", "no_stable_gain", [0.8, 0.9])]}
+    text = write_report(results, tmp_path).read_text()
+    assert ("verdict not settled: CI [1.025, 1.060] against the threshold 1.020 (margin 1.0%) when its rounds ended "
+            "(run_budget, 5 rounds); a repeat run may give the other verdict") in text
+    assert "CI [0.990, 1.040] against the threshold" in text
+    assert text.count("verdict not settled") == 2

@@ -10,6 +10,7 @@ from typing import Any
 from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.bench.run_budget import describe as describe_run_budget
+from worldfoundry.bench.timing import undecided
 from worldfoundry.bench.metrics import json_number
 
 
@@ -118,14 +119,15 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         "",
     ]
     for c in results["candidates"]:
-        lines += _candidate_details(c)
+        lines += _candidate_details(c, results.get("timing_policy") or {})
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def _candidate_details(c: dict[str, Any]) -> list[str]:
-    """The report's lines under one candidate: errors, what did not run, fallbacks, skips, notes."""
+def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None) -> list[str]:
+    """The report's lines under one candidate: errors, what did not run, fallbacks, skips, an unsettled verdict,
+    notes (``policy``: the run's ``timing_policy``, for the threshold and the verdict margin)."""
     details = []
     if c.get("error"):
         details.append(f"  - error: {c['error']}")
@@ -143,9 +145,25 @@ def _candidate_details(c: dict[str, Any]) -> list[str]:
     if c.get("timing_mismatch"):
         details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
     details += _dense_floor_note(c.get("speed") or {})
+    details += _unsettled_note(c, policy or {})
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
+
+
+def _unsettled_note(c: dict[str, Any], policy: dict[str, Any]) -> list[str]:
+    """A speed verdict whose CI still straddled the threshold, or cleared it by no more than the verdict margin, when
+    the candidate's rounds ended: a repeat run may give the other verdict."""
+    speed = c.get("speed") or {}
+    threshold, margin = policy.get("threshold"), policy.get("verdict_margin", 0.0)
+    if c.get("verdict") not in ("recommended", "no_stable_gain") or not speed.get("ci95") or threshold is None:
+        return []
+    if not undecided(speed, threshold, margin):
+        return []
+    low, high = speed["ci95"]
+    return [f"  - verdict not settled: CI [{low:.3f}, {high:.3f}] against the threshold {threshold:.3f} (margin "
+            f"{margin:.1%}) when its rounds ended ({speed.get('stopped', '?')}, {speed.get('rounds', '?')} rounds); "
+            "a repeat run may give the other verdict"]
 
 
 def _dense_floor_note(speed: dict[str, Any]) -> list[str]:
