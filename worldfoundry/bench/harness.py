@@ -35,8 +35,10 @@ from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.run_budget import RunBudget, budget_item
 from worldfoundry.bench.run_pricing import generation_mark, optional_seconds, plan_items, reprice_rows
+from worldfoundry.bench.settle import settle_pass, settle_policy, unsettled
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
+    SWITCH_BLOCK,
     Arm,
     Timed,
     TimingPolicy,
@@ -299,16 +301,22 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     config.extra["_timing_policy"] = tpolicy
     config.extra["_noisy"] = bool(results.get("noisy_host"))
     walls = results["wall_s"] = {"dense_and_control": time.perf_counter() - began, "candidates": 0.0}
+    pilots: dict[str, dict[int, Any]] = {}  # of the candidates whose verdict was not settled
     for cand in cfile.candidates:
         t0 = time.perf_counter()
         with budget_item(budget, lambda: optional_seconds(gate, tpolicy)):
             results["candidates"].append(_evaluate(cand, runner, dense, cfile, config, seeds, rounds, policy,
-                                                   registry, monitor, bar, noise_floor))
+                                                   registry, monitor, bar, noise_floor, keep=pilots))
         results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
         walls["candidates"] += results["candidates"][-1]["wall_s"]
     if config.peers and not config.quality_only:
         _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     bar.close()
+    if pilots and not config.extra.get("_noisy", False):
+        t0 = time.perf_counter()
+        results["settle"] = _settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
+                                    noise_floor)
+        walls["settle"] = time.perf_counter() - t0
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
@@ -454,7 +462,11 @@ def control_policy(policy: TimingPolicy) -> TimingPolicy:
 
 def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: CandidateFile, config: BenchConfig,
               seeds: list[int], rounds: int, policy: RuntimePolicy, registry: AccelerationRegistry,
-              monitor: GpuSharingMonitor, bar: Any, noise_floor: float = 1.0) -> dict[str, Any]:
+              monitor: GpuSharingMonitor, bar: Any, noise_floor: float = 1.0,
+              keep: dict[str, dict[int, Any]] | None = None) -> dict[str, Any]:
+    """One candidate's record: installation, quality against dense, execution proof, timing and verdict. When its
+    speed verdict is not settled (:func:`~worldfoundry.bench.settle.unsettled`) and the run has a run budget, its
+    pilots go into ``keep`` for the settling pass."""
     den = runner.pipe.components.denoiser
     record: dict[str, Any] = {"name": cand.name, "accelerations": cand.accelerations, "notes": cand.notes}
     try:
@@ -482,7 +494,6 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
             fallbacks=_merge([p["fallbacks"] for p in proofs.values()]),
             skipped=_merge([p["skipped"] for p in proofs.values()]),
         )
-        exact_ok = not record["exact_claimed"] or worst["bitwise_equal"]
         speed, mismatches = None, []
         if not config.quality_only and worst["finite"] and executed:
             tpolicy = config.extra["_timing_policy"]
@@ -494,15 +505,10 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
             bar.update(0 if config.quality_only else rounds)
         record["speed"] = speed
         record["timing_mismatch"] = mismatches
-        bound = speed_bound(record["skipped"], model_calls(cfile.workload) * len(seeds), plugins=cand.accelerations)
-        record["speed_bound"] = bound
-        violation = bound_violation(speed, bound, config.extra["_timing_policy"].bound_tolerance)
-        if violation:
-            record["timing_invalid"] = violation
-        record["verdict"] = decide(installed=True, finite=worst["finite"], executed=executed, exact_ok=exact_ok,
-                                   timing_ok=not mismatches, quality_ok=all(checks.values()), speed=speed,
-                                   gpu_shared=monitor.shared, noise_floor=noise_floor, bound_ok=violation is None,
-                                   noisy=config.extra.get("_noisy", False), min_gain=_min_gain(config))
+        _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
+        tpolicy = config.extra["_timing_policy"]
+        if keep is not None and tpolicy.run_budget is not None and unsettled(record, tpolicy):
+            keep[cand.name] = pilots
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
         record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",
@@ -513,12 +519,66 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
     return record
 
 
+def _decide_record(record: dict[str, Any], cand: Candidate, cfile: CandidateFile, config: BenchConfig, n_seeds: int,
+                   monitor: GpuSharingMonitor, noise_floor: float) -> None:
+    """The receipts bound, its violation and the verdict of a record whose quality, execution and speed are in."""
+    worst, speed = record["quality"]["worst"], record["speed"]
+    bound = speed_bound(record["skipped"], model_calls(cfile.workload) * n_seeds, plugins=cand.accelerations)
+    record["speed_bound"] = bound
+    violation = bound_violation(speed, bound, config.extra["_timing_policy"].bound_tolerance)
+    record.pop("timing_invalid", None)
+    if violation:
+        record["timing_invalid"] = violation
+    exact_ok = not record["exact_claimed"] or worst["bitwise_equal"]
+    record["verdict"] = decide(installed=True, finite=worst["finite"], executed=record["executed"], exact_ok=exact_ok,
+                               timing_ok=not record["timing_mismatch"], quality_ok=all(record["within_budget"].values()),
+                               speed=speed, gpu_shared=monitor.shared, noise_floor=noise_floor,
+                               bound_ok=violation is None, noisy=config.extra.get("_noisy", False),
+                               min_gain=_min_gain(config))
+
+
+def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dict[int, Any]], runner: _Runner,
+            dense: dict[int, Any], config: BenchConfig, seeds: list[int], policy: RuntimePolicy,
+            registry: AccelerationRegistry, monitor: GpuSharingMonitor, noise_floor: float) -> dict[str, Any]:
+    """The settling pass (:mod:`worldfoundry.bench.settle`) over the candidates whose pilots were kept."""
+    tpolicy = config.extra["_timing_policy"]
+    by_name = {c.name: c for c in cfile.candidates}
+    den = runner.pipe.components.denoiser
+
+    def retime(record: dict[str, Any]) -> None:
+        cand, kept = by_name[record["name"]], pilots[record["name"]]
+        session = den.install(cand.accelerations, policy, registry=registry)
+        try:
+            mismatches = []
+            warm = runner.generate(seeds[0], f"{cand.name}-settle-warm")  # an install's one-off costs, untimed
+            if not torch.equal(warm.latents, kept[seeds[0]].latents):
+                err = relative_l2(warm.latents, kept[seeds[0]].latents)
+                if not err <= TIMING_RTOL:
+                    mismatches.append(f"settling pass: candidate output differs from its pilot (rel L2 {err:.3g})")
+            prior = record["speed"]
+            first = "candidate" if (prior["rounds"] // SWITCH_BLOCK) % 2 == 0 else "dense"  # the candidate's half
+            speed, more, _ = _time_pairs(cand, runner, dense, kept, seeds, settle_policy(tpolicy, prior), policy,
+                                         registry, monitor, None, session, prior=prior, first=first)
+        finally:
+            if den.session is not None:
+                den.session.uninstall()
+        if tpolicy.dense_reference is not None:
+            tpolicy.dense_reference.update(speed["steps_s"]["dense"], speed["groups"])
+        record["speed"] = speed
+        record["timing_mismatch"] = list(record.get("timing_mismatch") or []) + mismatches + more
+        _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
+
+    return settle_pass(results["candidates"], tpolicy, retime)
+
+
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
                 tpolicy: TimingPolicy, policy: RuntimePolicy, registry: AccelerationRegistry,
-                monitor: GpuSharingMonitor, bar: Any, session: Any) -> tuple[dict[str, Any], list[str], Any]:
+                monitor: GpuSharingMonitor, bar: Any, session: Any, *, prior: dict[str, Any] | None = None,
+                first: str = "candidate") -> tuple[dict[str, Any], list[str], Any]:
     """Interleaved paired rounds of the denoising loop (:func:`~worldfoundry.bench.timing.switching_pairs`: blocks
     of two rounds, one untimed generation after every install or uninstall, the installed candidate first: its
-    pilots were its warm-up); outputs checked against the pilots."""
+    pilots were its warm-up); outputs checked against the pilots. ``prior``/``first``: a settling pass continues
+    an earlier summary, the side ``first`` names going first (``bar``: ``None`` for no progress)."""
     den = runner.pipe.components.denoiser
     mismatches: list[str] = []
     state = {"session": session}
@@ -554,7 +614,8 @@ def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots:
         Arm(to_dense, lambda r, seed: timed("dense", r, seed), lambda seed: runner.generate(seed, "dense-warm")),
         Arm(to_candidate, lambda r, seed: timed("candidate", r, seed),
             lambda seed: runner.generate(seed, f"{cand.name}-warm")),
-        seeds, tpolicy, on_round=lambda: bar.update(1), clock=runner.clock, first="candidate")
+        seeds, tpolicy, on_round=None if bar is None else lambda: bar.update(1), clock=runner.clock, first=first,
+        prior=prior)
     return speed, mismatches, state["session"]
 
 

@@ -76,6 +76,8 @@ def _wall_line(results: dict[str, Any]) -> list[str]:
              f"{walls.get('candidates', 0):.0f} s"]
     if "peers" in walls:
         parts.append(f"peers {walls['peers']:.0f} s")
+    if "settle" in walls:
+        parts.append(f"settling pass {walls['settle']:.0f} s")
     return [f"- wall: {walls['total']:.0f} s ({', '.join(parts)})"]
 
 
@@ -105,6 +107,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- host gate: {describe_gate(results.get('host_gate'))}",
         f"- run budget: {describe_run_budget(results.get('run_budget'))}",
         *_wall_line(results),
+        *_settle_line(results.get("settle")),
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
         render_table(results),
@@ -145,10 +148,39 @@ def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None) 
     if c.get("timing_mismatch"):
         details.append(f"  - timing mismatches: {c['timing_mismatch'][:3]}")
     details += _dense_floor_note(c.get("speed") or {})
+    details += _settle_note(c)
     details += _unsettled_note(c, policy or {})
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
+
+
+def _settle_line(settle: dict[str, Any] | None) -> list[str]:
+    """The run's settling pass (:mod:`worldfoundry.bench.settle`), when there was one to run."""
+    if not settle or not (settle.get("candidates") or settle.get("refused")):
+        return []
+    line = (f"- settling pass: {len(settle['candidates'])} candidate(s) whose verdict had not settled timed again "
+            f"after every row and peer ({settle['seconds']:.0f} s)")
+    if settle.get("refused"):
+        line += f"; no time left in the run budget for {', '.join(settle['refused'])}"
+    return [line]
+
+
+def _settle_note(c: dict[str, Any]) -> list[str]:
+    """What the settling pass changed for one candidate."""
+    done = c.get("settle")
+    if not done:
+        return []
+    before, speed = done["before"], c.get("speed") or {}
+    low, high = before["ci95"]
+    line = (f"  - settling pass: {before['speedup']:.3f}× [{low:.3f}, {high:.3f}] after {before['rounds']} rounds "
+            f"({before['verdict']}, stopped: {before.get('stopped')})")
+    if before.get("error"):
+        return [line + f"; the pass failed ({before['error']}), so that result stands"]
+    ci = speed.get("ci95") or [float("nan")] * 2
+    return [line + f" → {speed.get('speedup', float('nan')):.3f}× [{ci[0]:.3f}, {ci[1]:.3f}] after "
+            f"{speed.get('rounds')} rounds ({c.get('verdict')}, stopped: {speed.get('stopped')}) in "
+            f"{done['seconds']:.0f} s"]
 
 
 def _unsettled_note(c: dict[str, Any], policy: dict[str, Any]) -> list[str]:

@@ -76,6 +76,8 @@ class RunBudget:
         self.started = clock() if started is None else float(started)
         self.items_left = 0
         self.peers_left = 0
+        #: shares of the slack kept for the settling pass after the items (:mod:`worldfoundry.bench.settle`)
+        self.settle_shares = 0
         self.first_item_s = 0.0
         #: the mandatory cost of each finished candidate and peer
         self.costs: list[float] = []
@@ -91,13 +93,15 @@ class RunBudget:
         self.item_share_s: float | None = None
         self.item_fair_s = 0.0
 
-    def plan(self, items: int, first_item_s: float, *, peers: int = 0) -> None:
+    def plan(self, items: int, first_item_s: float, *, peers: int = 0, settle: bool = False) -> None:
         """``items`` candidates still to run, priced at ``first_item_s`` each until one has finished, and ``peers``
-        peers."""
+        peers; ``settle``: a settling pass follows them, and the fair shares of the slack count it as one more
+        item (it is not priced: it only spends what slack is left)."""
         if items < 0 or peers < 0 or not first_item_s >= 0:
             raise ValueError(f"run budget plan: expected items >= 0, peers >= 0 and first_item_s >= 0, got {items}, "
                              f"{peers}, {first_item_s}")
         self.items_left, self.peers_left, self.first_item_s = int(items), int(peers), float(first_item_s)
+        self.settle_shares = int(bool(settle))
 
     def reprice(self, first_item_s: float) -> None:
         """A better price for a candidate before any has finished (e.g. measured on the control pairs)."""
@@ -130,7 +134,11 @@ class RunBudget:
     def share_s(self) -> float:
         """The current item's fair share of the slack now: the slack split evenly between it and the items not
         started (what an item leaves unused stays in the slack for the next ones)."""
-        return self.slack_s() / (1 + self.items_left + self.peers_left)
+        return self.slack_s() / self._shares()
+
+    def _shares(self) -> int:
+        """The current item and those still to come, the settling pass counted as one."""
+        return 1 + self.items_left + self.peers_left + self.settle_shares
 
     def fair_room_s(self) -> float:
         """Seconds of fair rounds the current item may still add: its share now, and no more than what is left of
@@ -169,7 +177,7 @@ class RunBudget:
             self.items_left = max(0, self.items_left - 1)
         self._item_started = (self._clock(), float(optional_s), kind)
         own = self.peer_s if kind == "peer" else self.item_s  # its own mandatory part is not slack it may spend
-        self.item_share_s = max(0.0, self.slack_s() - own) / (1 + self.items_left + self.peers_left)
+        self.item_share_s = max(0.0, self.slack_s() - own) / self._shares()
         self.item_fair_s = 0.0
 
     def end_item(self, optional_s: float = 0.0) -> None:

@@ -32,7 +32,7 @@ def plan_items(budget: RunBudget, *, candidates: int, peers: list[str] | None, d
     from worldfoundry.bench.peers import resolve_peers
 
     n_peers = len(resolve_peers(peers, device)[0]) if peers else 0
-    budget.plan(candidates, 2 * tpolicy.budget_s, peers=n_peers)
+    budget.plan(candidates, 2 * tpolicy.budget_s, peers=n_peers, settle=True)
     if gate is not None:
         gate.limit = budget.slack_s
 

@@ -120,6 +120,10 @@ class TimingPolicy:
         run_budget: the run's :class:`~worldfoundry.bench.run_budget.RunBudget` (``None``: none): a round past the
             budget (undecided, slow, or paid by the width pool) runs only while it leaves slack; else the candidate
             stops with ``stopped="run_budget"``.
+        verdict_only: every round past ``min_rounds`` is a verdict round (the bench's settling pass,
+            :mod:`~worldfoundry.bench.settle`): taken only while the verdict needs it (:func:`run_rounds`' rule for
+            rounds past the budget) and the run budget allows it, up to ``extend_factor * budget_s``; never paid by
+            the width pool.
     """
 
     min_rounds: int = 3
@@ -136,6 +140,7 @@ class TimingPolicy:
     verdict_margin: float = DEFAULT_VERDICT_MARGIN
     width_pool: WidthPool | None = field(default=None, compare=False, repr=False)
     run_budget: RunBudget | None = field(default=None, compare=False, repr=False)
+    verdict_only: bool = False
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -209,9 +214,11 @@ def _sample(x: float | Timed) -> Timed:
 
 def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], policy: TimingPolicy, *,
                clock: Callable[[], float] = time.perf_counter,
-               on_round: Callable[[], None] | None = None) -> dict[str, Any]:
+               on_round: Callable[[], None] | None = None,
+               prior: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run paired rounds ``pair(r) -> (dense, candidate)`` (seconds, or :class:`Timed` samples with their steps)
-    until the stopping rule holds.
+    until the stopping rule holds. ``prior``: an earlier summary of this pair, whose rounds are kept and counted
+    (``pair`` is called from ``r = prior["rounds"]`` on: a later pass adds rounds to the same estimate).
 
     Returns:
         :func:`~worldfoundry.bench.stats.summarize_speed`'s mapping plus ``rounds``, ``halfwidth``, ``stopped``
@@ -223,8 +230,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         (:func:`~worldfoundry.bench.host_speed.host_split`; rounds are extended while it exceeds the policy's
         ``host_tolerance``).
     """
-    dense: list[Timed] = []
-    cand: list[Timed] = []
+    dense, cand = samples(prior) if prior is not None else ([], [])
     start = clock()
     stopped = "max_rounds"
     summary: dict[str, Any] = {}
@@ -232,7 +238,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
     # an optional round runs since ``charged_from``, paid by the width pool (``pool_round``) or the run budget
     charged_from: float | None = None
     pool_round, budget, last_round_s = False, policy.run_budget, 0.0
-    for r in range(policy.max_rounds):
+    for r in range(len(dense), policy.max_rounds):
         began = clock() if budget is not None else 0.0
         d, c = pair(r)
         dense.append(_sample(d))
@@ -249,7 +255,7 @@ def run_rounds(pair: Callable[[int], tuple[float | Timed, float | Timed]], polic
         summary = _summarize(dense, cand, policy)
         narrow = ci_halfwidth(summary) <= policy.target_halfwidth
         elapsed = clock() - start
-        if narrow or elapsed >= policy.budget_s:
+        if narrow or elapsed >= policy.budget_s or policy.verdict_only:
             step = _past_budget(summary, policy, narrow, elapsed, last_round_s)
             if step not in ("extend", "pool"):
                 stopped = step
@@ -274,7 +280,7 @@ def _past_budget(summary: dict[str, Any], policy: TimingPolicy, narrow: bool, el
     ``"run_budget"``) or run one more round (``"extend"``: for the verdict's sake; ``"pool"``: paid by the width
     pool)."""
     more = _needs_more(summary, policy) and elapsed < policy.extend_factor * policy.budget_s
-    wide = not narrow and policy.width_pool is not None and policy.width_pool.left > 0
+    wide = not (narrow or policy.verdict_only) and policy.width_pool is not None and policy.width_pool.left > 0
     if not (more or wide):
         return "target" if narrow else "budget"
     if policy.run_budget is not None and not policy.run_budget.allow(last_round_s, fair=not more):
@@ -306,6 +312,21 @@ def _needs_more(summary: dict[str, Any], policy: TimingPolicy) -> bool:
     split = summary["host_split"]
     slow = slow or (split is not None and abs(split) > policy.host_tolerance)
     return slow or undecided(summary, threshold, policy.verdict_margin)
+
+
+def samples(summary: Mapping[str, Any]) -> tuple[list[Timed], list[Timed]]:
+    """The dense and candidate :class:`Timed` samples of a summary :func:`run_rounds` returned (the inverse of its
+    per-round fields)."""
+    n = len(summary["dense_s"])
+    groups = summary.get("groups") or [None] * n
+    out: dict[str, list[Timed]] = {}
+    for side, key in (("dense", "dense_s"), ("candidate", "candidate_s")):
+        steps = (summary.get("steps_s") or {}).get(side) or [[]] * n
+        host = (summary.get("host_steps_s") or {}).get(side) or [[]] * n
+        probes = (summary.get("host_probe_ms") or {}).get(side) or [None] * n
+        out[side] = [Timed(float(s), tuple(st), g, p, tuple(h))
+                     for s, st, g, p, h in zip(summary[key], steps, groups, probes, host)]
+    return out["dense"], out["candidate"]
 
 
 def _summarize(dense: list[Timed], cand: list[Timed], policy: TimingPolicy) -> dict[str, Any]:
@@ -378,7 +399,8 @@ SWITCH_BLOCK = 2
 
 def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: TimingPolicy, *,
                     on_round: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
-                    block: int = SWITCH_BLOCK, first: str = "dense") -> dict[str, Any]:
+                    block: int = SWITCH_BLOCK, first: str = "dense",
+                    prior: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """:func:`run_rounds` over blocks of ``block`` rounds: one side's generations of the block, then the other's,
     the side that goes first alternating per block (``D D C C | C C D D | ...``: slow drifts favour neither side,
     and the model is switched once per block), the seed cycling per round. An arm whose ``activate`` changed the
@@ -386,7 +408,10 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
 
     ``first``: the side of the first block's first half (``"dense"`` or ``"candidate"``). Name the side the model
     is on and warm already (the bench's candidates and peers: their pilot ran just before), and the first block
-    needs no switch: four rounds then cost two warm-ups and two switches instead of three and three."""
+    needs no switch: four rounds then cost two warm-ups and two switches instead of three and three.
+
+    ``prior``: an earlier summary of this pair (:func:`run_rounds`): its rounds are kept, the blocks continue from
+    its round count, and ``warmups`` counts both passes. The side named ``first`` must then be active and warm."""
     if first not in ("dense", "candidate"):
         raise ValueError(f"switching_pairs: first must be 'dense' or 'candidate', got {first!r}")
     sides = (dense, candidate) if first == "dense" else (candidate, dense)
@@ -409,8 +434,8 @@ def switching_pairs(dense: Arm, candidate: Arm, seeds: list[int], policy: Timing
                 done[i] = (got[id(dense)][j], got[id(candidate)][j])
         return done.pop(r)
 
-    out = run_rounds(pair, policy, clock=clock, on_round=on_round)
-    out["warmups"] = warmups[0]
+    out = run_rounds(pair, policy, clock=clock, on_round=on_round, prior=prior)
+    out["warmups"] = warmups[0] + int((prior or {}).get("warmups", 0))
     out["switch_block"] = block
     out["first_side"] = first
     return out

@@ -1,0 +1,226 @@
+"""The settling pass: candidates whose verdict was not settled get more rounds at the end of a run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worldfoundry.bench import harness, settle
+from worldfoundry.bench.harness import BenchConfig, run_bench
+from worldfoundry.bench.run_budget import RunBudget
+from worldfoundry.bench.settle import pass_price_s, settle_pass, settle_policy, unsettled
+from worldfoundry.bench.timing import SWITCH_BLOCK, Arm, Timed, TimingPolicy, WidthPool, run_rounds, samples, \
+    switching_pairs
+
+
+def _clock(step: float):
+    counter = itertools.count()
+    return lambda: next(counter) * step
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed(seconds: float, seed: int = 7, steps: int = 3) -> Timed:
+    return Timed(seconds, tuple([seconds / steps] * steps), seed, 1.0, tuple([0.1 * seconds / steps] * steps))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 2.0), st.floats(0.5, 2.0)), min_size=3, max_size=8))
+def test_a_summary_gives_back_the_samples_it_was_made_of(pairs) -> None:
+    rows = [(_timed(d, seed=i % 2), _timed(c, seed=i % 2)) for i, (d, c) in enumerate(pairs)]
+    out = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=len(rows), max_rounds=len(rows)),
+                     clock=_clock(0.0))
+    dense, cand = samples(out)
+    assert dense == [d for d, _ in rows] and cand == [c for _, c in rows]
+
+
+def test_a_prior_summary_is_continued_not_restarted() -> None:
+    """A second pass keeps the first pass's rounds, calls ``pair`` from the next round on, and the estimate is the
+    one of all rounds together."""
+    ratios = [1.0, 1.05, 1.0, 1.05] + [1.1] * 20
+    rows = [(_timed(1.0), _timed(1.0 / q)) for q in ratios]
+    first = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=4, max_rounds=4), clock=_clock(0.0))
+    called = []
+
+    def pair(r: int):
+        called.append(r)
+        return rows[r]
+
+    second = run_rounds(pair, TimingPolicy(min_rounds=6, max_rounds=8), clock=_clock(0.0), prior=first)
+    whole = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=second["rounds"], max_rounds=second["rounds"]),
+                       clock=_clock(0.0))
+    assert called[0] == 4 and second["rounds"] == 4 + len(called) >= 6
+    assert second["dense_s"][:4] == first["dense_s"] and second["speedup"] == whole["speedup"]
+    assert second["ci95"] == whole["ci95"]
+
+
+def test_verdict_only_rounds_stop_once_the_verdict_is_decided() -> None:
+    """Past its one mandatory block a settling pass adds rounds only while the CI is undecided: the first pass left
+    it straddling the threshold, the new rounds are clearly faster, and the pass stops as soon as the lower bound
+    clears the threshold by the margin."""
+    ratios = [1.0, 1.05, 1.0, 1.05] + [1.3] * 30
+    rows = [(1.0, 1.0 / q) for q in ratios]
+    base = TimingPolicy(min_rounds=4, max_rounds=4, budget_s=4.0, threshold=1.02, estimator="paired_median")
+    first = run_rounds(lambda r: rows[r], base, clock=_clock(1.0))
+    assert unsettled({"verdict": "no_stable_gain", "speed": first}, base)
+    out = run_rounds(lambda r: rows[r], settle_policy(replace(base, max_rounds=20), first), clock=_clock(1.0),
+                     prior=first)
+    assert out["stopped"] == "target" or out["ci95"][0] > 1.02 * 1.01
+    assert 4 + SWITCH_BLOCK <= out["rounds"] < 24 and not unsettled({"verdict": "recommended", "speed": out}, base)
+
+
+def test_verdict_only_rounds_never_draw_on_the_width_pool_and_stop_at_the_extended_budget() -> None:
+    wide = [(1.0, 0.5), (1.0, 0.45)] * 30  # decided (clearly faster) but about 5 % wide
+    pool = WidthPool(1e9)
+    base = TimingPolicy(min_rounds=3, max_rounds=40, budget_s=4.0, threshold=1.02, estimator="paired_median",
+                        width_pool=pool)
+    first = run_rounds(lambda r: wide[r], replace(base, max_rounds=4, min_rounds=4, width_pool=None),
+                       clock=_clock(0.0))
+    out = run_rounds(lambda r: wide[r], replace(settle_policy(base, first), width_pool=pool), clock=_clock(1.0),
+                     prior=first)
+    assert out["rounds"] == 4 + SWITCH_BLOCK and out["widened"] == 0 and pool.spent == 0.0
+    straddling = [(1.0, 1 / 0.9), (1.0, 1 / 1.2)] * 30
+    first = run_rounds(lambda r: straddling[r], replace(base, max_rounds=4, min_rounds=4, width_pool=None),
+                       clock=_clock(0.0))
+    out = run_rounds(lambda r: straddling[r], settle_policy(base, first), clock=_clock(1.0), prior=first)
+    # rounds 5 and 6 are the mandatory block; the clock (read from then on) allows 2 x 4 s of rounds in all
+    assert out["stopped"] == "budget" and out["rounds"] < 4 + 40 and out["extended"] > 0
+
+
+def test_switching_pairs_continue_the_blocks_of_a_prior_pass() -> None:
+    log: list[str] = []
+    state = {"active": "c"}
+
+    def arm(name: str, seconds: float) -> Arm:
+        def activate() -> bool:
+            changed = state["active"] != name
+            state["active"] = name
+            return changed
+        return Arm(activate, lambda r, seed: log.append(f"{name}{r}") or seconds,
+                   lambda seed: log.append(f"warm-{name}"))
+
+    policy = TimingPolicy(min_rounds=4, max_rounds=4)
+    first = switching_pairs(arm("d", 1.0), arm("c", 0.5), [1], policy, first="candidate")
+    log.clear()
+    state["active"] = "c"
+    again = switching_pairs(arm("d", 1.0), arm("c", 0.5), [1], settle_policy(policy, first), first="candidate",
+                            prior=first)
+    assert log == ["c4", "c5", "warm-d", "d4", "d5"]
+    assert again["rounds"] == 6 and again["warmups"] == first["warmups"] + 1
+
+
+def _record(name: str, ci: tuple[float, float], verdict: str = "no_stable_gain") -> dict:
+    speed = {"speedup": (ci[0] + ci[1]) / 2, "ci95": list(ci), "rounds": 4, "stopped": "run_budget",
+             "dense_median_s": 1.0, "candidate_median_s": 0.9}
+    return {"name": name, "verdict": verdict, "speed": speed}
+
+
+def test_the_pass_retimes_only_unsettled_verdicts_and_charges_its_time_as_optional() -> None:
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
+    policy = TimingPolicy(threshold=1.02, run_budget=budget)
+    records = [_record("clear", (1.2, 1.3), "recommended"), _record("straddles", (1.0, 1.04)),
+               _record("thin", (1.021, 1.05), "recommended"), _record("slow", (0.8, 0.9)),
+               {"name": "bad", "verdict": "invalid_timing", "speed": _record("x", (1.0, 1.04))["speed"]}]
+    seen = []
+
+    def retime(record: dict) -> None:
+        seen.append(record["name"])
+        clock.now += 5.0
+        record["speed"] = {**record["speed"], "ci95": [1.04, 1.05], "rounds": 8}
+        record["verdict"] = "recommended"
+
+    out = settle_pass(records, policy, retime, clock=clock)
+    assert seen == out["candidates"] == ["straddles", "thin"] and out["refused"] == []
+    assert out["seconds"] == 10.0 and budget.extended_s == 10.0
+    before = records[1]["settle"]["before"]
+    assert before["verdict"] == "no_stable_gain" and before["ci95"] == [1.0, 1.04] and before["rounds"] == 4
+    assert "settle" not in records[0] and "settle" not in records[3]
+
+
+def test_the_pass_takes_nothing_the_run_budget_does_not_have() -> None:
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
+    clock.now = 96.0  # 4 s left: one pass of a 1 s generation costs 6 s
+    policy = TimingPolicy(threshold=1.02, run_budget=budget)
+    records = [_record("a", (1.0, 1.04))]
+    assert pass_price_s(records[0]["speed"]) == 6.0
+    out = settle_pass(records, policy, lambda record: pytest.fail("no room"), clock=clock)
+    assert out["refused"] == ["a"] and budget.cut == 1 and "settle" not in records[0]
+    assert settle_pass(records, replace(policy, run_budget=None), lambda r: pytest.fail("no budget"))[
+        "candidates"] == []
+
+
+def test_a_pass_that_fails_keeps_the_first_pass_result() -> None:
+    budget = RunBudget(100.0, tail_s=0.0, clock=Clock())
+    records = [_record("a", (1.0, 1.04))]
+
+    def retime(record: dict) -> None:
+        raise RuntimeError("install refused")
+
+    out = settle_pass(records, TimingPolicy(threshold=1.02, run_budget=budget), retime, clock=Clock())
+    assert out["candidates"] == ["a"] and records[0]["verdict"] == "no_stable_gain"
+    assert records[0]["settle"]["before"]["error"] == "RuntimeError: install refused"
+
+
+def test_the_fair_shares_keep_one_for_the_settling_pass() -> None:
+    budget = RunBudget(100.0, tail_s=0.0, clock=Clock())
+    budget.plan(items=3, first_item_s=10.0, peers=0, settle=True)
+    budget.start_item(0.0)  # 2 items still to come (20 s): slack 80 s over the item, 2 items and the pass
+    assert budget.share_s() == pytest.approx(20.0)
+    plain = RunBudget(100.0, tail_s=0.0, clock=Clock())
+    plain.plan(items=3, first_item_s=10.0)
+    plain.start_item(0.0)
+    assert plain.share_s() == pytest.approx(80.0 / 3)
+
+
+def _registry():
+    from tests.bench.test_harness import _scale_factory
+    from worldfoundry.core.acceleration.registry import AccelerationRegistry
+
+    reg = AccelerationRegistry(discover=False)
+    reg.register("exact_test", _scale_factory("exact_test", exact=True))
+    return reg
+
+
+def test_a_bench_run_settles_a_candidate_at_its_end(tmp_path: Path, monkeypatch) -> None:
+    """On the tiny model, with a run budget: a candidate taken as unsettled is installed again after every row,
+    its pair continues from its rounds (its dense arm still matching the dense pilot bit for bit), its verdict is
+    decided again, the model is dense afterwards, and the report says what the pass did."""
+    data = {"workload": {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 2,
+                         "guidance": 5.0, "seeds": [1]}, "timing": {"time_budget_s": 0.5},
+            "candidates": [{"name": "a", "accelerations": {"exact_test": {}}},
+                           {"name": "b", "accelerations": {"exact_test": {}}}]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    first_pass = {"a"}
+
+    def forced(record, policy):  # 'a' is unsettled when its first pass ends, and settled after its second
+        return record.get("name") in first_pass and "settle" not in record and record.get("speed") is not None
+
+    monkeypatch.setattr(harness, "unsettled", forced)
+    monkeypatch.setattr(settle, "unsettled", forced)
+    out = tmp_path / "o"
+    results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(out), run_budget_s=600.0,
+                                    max_noise_floor=1e3,
+                                    progress=False), registry=_registry())
+    a, b = results["candidates"]
+    assert results["settle"]["candidates"] == ["a"] and "settle" not in b
+    before = a["settle"]["before"]
+    assert a["speed"]["rounds"] >= before["rounds"] + SWITCH_BLOCK and a["timing_mismatch"] == []
+    assert a["verdict"] in ("recommended", "no_stable_gain") and results["dense"]["stable_after_candidates"]
+    assert results["wall_s"]["settle"] > 0 and results["run_budget"]["extended_s"] >= a["settle"]["seconds"]
+    report = (out / "report.md").read_text()
+    assert "settling pass" in report and f"{before['rounds']} rounds" in report

@@ -1,0 +1,100 @@
+"""The settling pass: more rounds, at the end of a run, for the candidates whose speed verdict was not settled.
+
+In the first pass each candidate is timed in turn, and one whose CI still straddles the decision threshold (or
+clears it by no more than the verdict margin: :func:`~worldfoundry.bench.timing.undecided`) gets verdict rounds
+on the spot while the run budget has slack. Early in a run that slack is also what the rows still to come and the
+peers need, so a row's verdict rounds can be refused (``stopped: run_budget``), and its extension may simply run
+out: either way its verdict could go the other way on a repeat run (at W17 on an H200 the stack
+``cuda-graph+mha-self+static-kv`` read 1.023-1.045x over seven runs against a threshold of 1.02; it was
+``recommended`` in each run whose rounds ended on the target and ``no_stable_gain`` in each run whose rounds the
+run budget cut).
+
+Once every row and peer has run, the slack left in the run budget goes to those candidates, in their order
+(:func:`settle_pass`): each is installed again, warmed by one generation that is checked against its pilot, and its
+pair continues (:func:`~worldfoundry.bench.timing.switching_pairs` with ``prior``: the same step-floor estimate,
+more rounds) while the verdict is undecided, for up to ``extend_factor * budget_s`` and while the run budget allows
+each round; then its verdict is decided again. Every second of the pass is optional time of the run budget
+(``extended_s``). Without a run budget there is no pass: the first pass's extension is then bounded only by
+``extend_factor``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from worldfoundry.bench.timing import SWITCH_BLOCK, TimingPolicy, ci_halfwidth, undecided
+
+#: Verdicts a settling pass may change (the others do not depend on the speed CI).
+SPEED_VERDICTS = ("recommended", "no_stable_gain")
+
+
+def unsettled(record: Mapping[str, Any], policy: TimingPolicy) -> bool:
+    """Whether a candidate's speed verdict was not settled when its rounds ended."""
+    speed = record.get("speed")
+    if record.get("verdict") not in SPEED_VERDICTS or not speed or not speed.get("ci95"):
+        return False
+    return undecided(speed, policy.threshold, policy.verdict_margin)
+
+
+def settle_policy(policy: TimingPolicy, prior: Mapping[str, Any]) -> TimingPolicy:
+    """The policy of a settling pass over a pair that already ran ``prior["rounds"]`` rounds: one more block
+    always (the model is installed again for it), then verdict rounds only (``verdict_only``), up to
+    ``max_rounds`` more."""
+    done = int(prior["rounds"])
+    return replace(policy, min_rounds=done + SWITCH_BLOCK, max_rounds=done + policy.max_rounds, verdict_only=True,
+                   width_pool=None)
+
+
+def pass_price_s(speed: Mapping[str, Any]) -> float:
+    """What one settling pass costs at least: an installation and a warm generation (about a generation each) and
+    the block of paired rounds it always runs."""
+    per_generation = max(float(speed.get("dense_median_s") or 0.0), float(speed.get("candidate_median_s") or 0.0))
+    return (2 * SWITCH_BLOCK + 2) * per_generation
+
+
+def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
+                retime: Callable[[dict[str, Any]], None], *,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Run the settling pass over ``records`` (the bench's candidate records, in order).
+
+    Args:
+        policy: the candidates' timing policy (its ``run_budget`` pays; ``None``: no pass).
+        retime: ``retime(record)`` installs the record's candidate again, continues its pair with
+            :func:`settle_policy` and decides its verdict again, updating ``record`` in place; it must leave the
+            model dense.
+
+    Returns:
+        ``{"candidates": [...], "refused": [...], "seconds": s}``: the names of the candidates that got a pass
+        and of those the run budget had no room for.
+    """
+    out: dict[str, Any] = {"candidates": [], "refused": [], "seconds": 0.0}
+    budget = policy.run_budget
+    if budget is None:
+        return out
+    for record in records:
+        if not unsettled(record, policy):
+            continue
+        speed = record["speed"]
+        if not budget.allow(pass_price_s(speed)):
+            out["refused"].append(record["name"])
+            continue
+        before = {"verdict": record["verdict"], "speedup": speed["speedup"], "ci95": list(speed["ci95"]),
+                  "halfwidth": ci_halfwidth(speed), "rounds": speed["rounds"], "stopped": speed.get("stopped")}
+        extended, began = budget.extended_s, clock()
+        try:
+            retime(record)
+        except Exception as exc:  # the first pass's result stands
+            before["error"] = f"{type(exc).__name__}: {exc}"
+        seconds = clock() - began
+        budget.extended_s = extended + seconds  # the whole pass is optional time
+        record["settle"] = {"before": before, "seconds": round(seconds, 3)}
+        out["candidates"].append(record["name"])
+        out["seconds"] += seconds
+    out["seconds"] = round(out["seconds"], 3)
+    return out
+
+
+__all__ = ["SPEED_VERDICTS", "pass_price_s", "settle_pass", "settle_policy", "unsettled"]
