@@ -72,7 +72,8 @@ def record(summary: dict[str, Any], tag: str, res: dict[str, Any] | None, peers:
                             "control_halfwidth": res["dense"]["control"].get("halfwidth"),
                             "wall_s": res["run_wall_s"], "phases_s": res.get("wall_s"),
                             "host_speed": res.get("host_speed"),
-                            "host_gate": res.get("host_gate")}
+                            "host_gate": res.get("host_gate"), "settle": res.get("settle"),
+                            "run_budget": res.get("run_budget")}
     for c in res["candidates"]:
         summary["candidates"].setdefault(c["name"], {})[tag] = _row(c)
     if peers:
