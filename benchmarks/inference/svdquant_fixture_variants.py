@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+_CH = ["--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq"]
+_POOL10 = ["--seeds", *[str(s) for s in range(11, 21)]]
 #: name -> ``worldfoundry calibrate svdquant`` flags (beyond recipe, include and output).
 VARIANTS: dict[str, list[str]] = {
     "ch-r64-gptq": ["--rank", "64", "--group-size", "channel", "--unsmoothed", "blocks.*", "--rounding", "gptq"],
@@ -106,6 +108,23 @@ VARIANTS: dict[str, list[str]] = {
                               "gptq", "--keep-dense", "4", "--sensitivity-unit", "linear"],
     "ch-rtn-lin-keep4": ["--method", "rtn", "--group-size", "channel", "--dense-from",
                          "{out}/ch-r64-gptq-lin-keep4.json"],
+    # two blocks dense, chosen on calibration seeds 11-20, with the other levers: rank 96/128, group-wise weights,
+    # three blocks, ranking by worst-frame SSIM, calibration seeds 1-20, four Linears; each ``rtn-of-X`` quantizes
+    # exactly the Linears X kept quantized (``docs/performance.md``, eighteenth lease)
+    **(_KEEP := {
+        **{f"ch-r{r}-gptq-pool10-keep2": ["--rank", str(r), *_CH, "--keep-dense", "2", *_POOL10] for r in (96, 128)},
+        "g64-r64-gptq-pool10-keep2": ["--rank", "64", "--group-size", "64", "--unsmoothed", "blocks.*", "--rounding",
+                                      "gptq", "--keep-dense", "2", *_POOL10],
+        "ch-r64-gptq-pool10-lin-keep4": ["--rank", "64", *_CH, "--keep-dense", "4", "--sensitivity-unit", "linear",
+                                         *_POOL10],
+        "ch-r64-gptq-pool10-keep3": ["--rank", "64", *_CH, "--keep-dense", "3", *_POOL10],
+        "ch-r64-gptq-pool10-keep2-ssim": ["--rank", "64", *_CH, "--keep-dense", "2", "--sensitivity-metric",
+                                          "min_ssim", *_POOL10],
+        "ch-r64-gptq-pool1_20-keep2": ["--rank", "64", *_CH, "--keep-dense", "2", "--seeds",
+                                       *[str(s) for s in range(1, 21)]],
+    }),
+    **{f"rtn-of-{name}": ["--method", "rtn", "--group-size", "64" if name.startswith("g64") else "channel",
+                          "--dense-from", f"{{out}}/{name}.json"] for name in _KEEP},
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}

@@ -175,15 +175,28 @@ def test_a_pass_that_fails_keeps_the_first_pass_result() -> None:
     assert records[0]["settle"]["before"]["error"] == "RuntimeError: install refused"
 
 
-def test_the_fair_shares_keep_one_for_the_settling_pass() -> None:
-    budget = RunBudget(100.0, tail_s=0.0, clock=Clock())
+def test_the_run_budget_keeps_a_candidate_s_price_for_the_settling_pass_until_it_starts() -> None:
+    """Host waits and optional rounds cannot spend what the pass needs (at W17 on an H200 they spent all the slack
+    and the pass was refused); the pass counts as one item in the fair shares; released, it is slack again."""
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
     budget.plan(items=3, first_item_s=10.0, peers=0, settle=True)
-    budget.start_item(0.0)  # 2 items still to come (20 s): slack 80 s over the item, 2 items and the pass
-    assert budget.share_s() == pytest.approx(20.0)
+    budget.start_item(0.0)  # 2 items to come and the pass: reserve 30 s, slack 70 s over the item, 2 items, pass
+    assert budget.reserve_s() == pytest.approx(30.0) and budget.share_s() == pytest.approx(70.0 / 4)
     plain = RunBudget(100.0, tail_s=0.0, clock=Clock())
     plain.plan(items=3, first_item_s=10.0)
     plain.start_item(0.0)
-    assert plain.share_s() == pytest.approx(80.0 / 3)
+    assert plain.reserve_s() == pytest.approx(20.0) and plain.share_s() == pytest.approx(80.0 / 3)
+    clock.now = 10.0  # the item cost 10 s (a candidate's price stays 10 s)
+    budget.end_item(0.0)
+    budget.items_left = 0  # the other items are done
+    clock.now = 75.0  # 25 s left, 10 of them kept for the pass
+    assert budget.slack_s() == pytest.approx(15.0)
+    records = [_record("a", (1.0, 1.04))]
+    seen = []
+    out = settle_pass(records, TimingPolicy(threshold=1.02, run_budget=budget),
+                      lambda record: seen.append(budget.slack_s()), clock=clock)
+    assert out["candidates"] == ["a"] and seen == [pytest.approx(25.0)] and budget.settle_shares == 0
 
 
 def _registry():

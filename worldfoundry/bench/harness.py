@@ -309,10 +309,13 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
                                                    registry, monitor, bar, noise_floor, keep=pilots))
         results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
         walls["candidates"] += results["candidates"][-1]["wall_s"]
+    settling = bool(pilots) and not config.extra.get("_noisy", False)
+    if budget is not None and not settling:
+        budget.release_settle()  # nothing to settle: the price kept for the pass is the peers' slack
     if config.peers and not config.quality_only:
         _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     bar.close()
-    if pilots and not config.extra.get("_noisy", False):
+    if settling:
         t0 = time.perf_counter()
         results["settle"] = _settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
                                     noise_floor)

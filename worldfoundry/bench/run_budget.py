@@ -76,7 +76,8 @@ class RunBudget:
         self.started = clock() if started is None else float(started)
         self.items_left = 0
         self.peers_left = 0
-        #: shares of the slack kept for the settling pass after the items (:mod:`worldfoundry.bench.settle`)
+        #: 1 while a settling pass may follow the items (:mod:`worldfoundry.bench.settle`): one candidate's price is
+        #: kept for it in the reserve, and it counts as one item in the fair shares
         self.settle_shares = 0
         self.first_item_s = 0.0
         #: the mandatory cost of each finished candidate and peer
@@ -95,8 +96,9 @@ class RunBudget:
 
     def plan(self, items: int, first_item_s: float, *, peers: int = 0, settle: bool = False) -> None:
         """``items`` candidates still to run, priced at ``first_item_s`` each until one has finished, and ``peers``
-        peers; ``settle``: a settling pass follows them, and the fair shares of the slack count it as one more
-        item (it is not priced: it only spends what slack is left)."""
+        peers; ``settle``: a settling pass may follow them: the reserve keeps one candidate's price for it (host
+        waits and optional rounds cannot spend it) and the fair shares count it as one more item, until
+        :meth:`release_settle`."""
         if items < 0 or peers < 0 or not first_item_s >= 0:
             raise ValueError(f"run budget plan: expected items >= 0, peers >= 0 and first_item_s >= 0, got {items}, "
                              f"{peers}, {first_item_s}")
@@ -121,8 +123,13 @@ class RunBudget:
         return statistics.fmean(self.peer_costs) if self.peer_costs else PEER_PRICE_FACTOR * self.item_s
 
     def reserve_s(self) -> float:
-        """Seconds still mandatory after the current item: the items not started and the tail."""
-        return self.items_left * self.item_s + self.peers_left * self.peer_s + self.tail_s
+        """Seconds still mandatory after the current item: the items not started, the price kept for a settling
+        pass and the tail."""
+        return (self.items_left + self.settle_shares) * self.item_s + self.peers_left * self.peer_s + self.tail_s
+
+    def release_settle(self) -> None:
+        """The settling pass starts, or will not run (no verdict left unsettled): what was kept for it is slack."""
+        self.settle_shares = 0
 
     def elapsed_s(self) -> float:
         return self._clock() - self.started

@@ -14,8 +14,11 @@ Once every row and peer has run, the slack left in the run budget goes to those 
 pair continues (:func:`~worldfoundry.bench.timing.switching_pairs` with ``prior``: the same step-floor estimate,
 more rounds) while the verdict is undecided, for up to ``extend_factor * budget_s`` and while the run budget allows
 each round; then its verdict is decided again. Every second of the pass is optional time of the run budget
-(``extended_s``). Without a run budget there is no pass: the first pass's extension is then bounded only by
-``extend_factor``.
+(``extended_s``). From the run's start the run budget keeps one candidate's price in its reserve for the pass
+(:meth:`~worldfoundry.bench.run_budget.RunBudget.release_settle` gives it back when the pass starts, or after
+the rows when no verdict is left unsettled): in two W17 runs on an H200 without it, host waits and width rounds had
+spent the whole slack before the pass, which was refused. Without a run budget there is no pass: the first pass's
+extension is then bounded only by ``extend_factor``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
     budget = policy.run_budget
     if budget is None:
         return out
+    budget.release_settle()  # the candidate's price the reserve kept for this pass is now slack
     for record in records:
         if not unsettled(record, policy):
             continue
