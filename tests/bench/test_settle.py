@@ -127,13 +127,32 @@ def _record(name: str, ci: tuple[float, float], verdict: str = "no_stable_gain")
     return {"name": name, "verdict": verdict, "speed": speed}
 
 
+@pytest.mark.parametrize(("verdict", "ci", "extra", "expected"), [
+    ("no_stable_gain", (1.0, 1.04), {}, True),  # straddles the threshold
+    ("recommended", (1.025, 1.05), {}, True),  # clears it by less than the margin
+    ("recommended", (1.2, 1.3), {}, False),
+    ("no_stable_gain", (0.8, 0.9), {"dense_excess": 0.3}, False),  # slowed, but cannot reach the threshold
+    # a cache that skipped nothing, against a dense arm 33.5 % slow (W17, H200): over the receipts' bound
+    ("invalid_timing", (0.951, 1.424), {"dense_excess": 0.335}, True),
+    ("recommended", (1.44, 1.46), {"dense_excess": 0.04}, False),  # deflated by 4 % it still clears 1.02
+    ("recommended", (1.06, 1.08), {"dense_excess": 0.05}, True),  # deflated by 5 % it would not
+    ("recommended", (1.06, 1.08), {"dense_excess": 0.01}, False),  # within the target: not slowed
+    ("recommended", (1.06, 1.08), {"dense_excess": 0.05, "dense_floor_source": "run_reference"}, False),
+    ("invalid_nonfinite", (1.0, 1.04), {}, False),
+])
+def test_which_verdicts_a_settling_pass_takes_up(verdict, ci, extra, expected) -> None:
+    record = _record("x", ci, verdict)
+    record["speed"].update(extra)
+    assert unsettled(record, TimingPolicy(threshold=1.02)) is expected
+
+
 def test_the_pass_retimes_only_unsettled_verdicts_and_charges_its_time_as_optional() -> None:
     clock = Clock()
     budget = RunBudget(100.0, tail_s=0.0, clock=clock)
     policy = TimingPolicy(threshold=1.02, run_budget=budget)
     records = [_record("clear", (1.2, 1.3), "recommended"), _record("straddles", (1.0, 1.04)),
                _record("thin", (1.021, 1.05), "recommended"), _record("slow", (0.8, 0.9)),
-               {"name": "bad", "verdict": "invalid_timing", "speed": _record("x", (1.0, 1.04))["speed"]}]
+               {"name": "bad", "verdict": "invalid_nonfinite", "speed": _record("x", (1.0, 1.04))["speed"]}]
     seen = []
 
     def retime(record: dict) -> None:

@@ -1,8 +1,9 @@
 """The settling pass: more rounds, at the end of a run, for the candidates whose speed verdict was not settled.
 
 In the first pass each candidate is timed in turn, and one whose CI still straddles the decision threshold (or
-clears it by no more than the verdict margin: :func:`~worldfoundry.bench.timing.undecided`) gets verdict rounds
-on the spot while the run budget has slack. Early in a run that slack is also what the rows still to come and the
+clears it by no more than the verdict margin: :func:`~worldfoundry.bench.timing.undecided`), or whose dense arm
+ran in a slow phase of the host, gets verdict rounds on the spot while the run budget has slack (:func:`unsettled`
+says which verdicts a settling pass takes up). Early in a run that slack is also what the rows still to come and the
 peers need, so a row's verdict rounds can be refused (``stopped: run_budget``), and its extension may simply run
 out: either way its verdict could go the other way on a repeat run (at W17 on an H200 the stack
 ``cuda-graph+mha-self+static-kv`` read 1.023-1.045x over seven runs against a threshold of 1.02; it was
@@ -30,16 +31,30 @@ from typing import Any
 
 from worldfoundry.bench.timing import SWITCH_BLOCK, TimingPolicy, ci_halfwidth, undecided
 
-#: Verdicts a settling pass may change (the others do not depend on the speed CI).
-SPEED_VERDICTS = ("recommended", "no_stable_gain")
+#: Verdicts a settling pass may change: the speed verdicts, and ``invalid_timing`` (a speedup over the receipts'
+#: bound, which a dense arm slowed by the host gives a cache that skipped nothing).
+SPEED_VERDICTS = ("recommended", "no_stable_gain", "invalid_timing")
 
 
 def unsettled(record: Mapping[str, Any], policy: TimingPolicy) -> bool:
-    """Whether a candidate's speed verdict was not settled when its rounds ended."""
+    """Whether a candidate's speed verdict was not settled when its rounds ended: its CI undecided
+    (:func:`~worldfoundry.bench.timing.undecided`), or its own pair's estimate kept with a dense arm that ran in a
+    slow phase of the host (``dense_excess`` above the target half-width) by enough to change the verdict: the
+    lower bound, deflated by that excess, no longer clears the threshold by the verdict margin, while the upper
+    bound reaches it (a slowed dense arm inflates a host-bound candidate's speedup; at W17 on an H200 a cache that
+    skipped nothing read 1.307x against a dense arm 33.5 % slow, ``invalid_timing``)."""
     speed = record.get("speed")
     if record.get("verdict") not in SPEED_VERDICTS or not speed or not speed.get("ci95"):
         return False
-    return undecided(speed, policy.threshold, policy.verdict_margin)
+    if undecided(speed, policy.threshold, policy.verdict_margin):
+        return True
+    excess, threshold = speed.get("dense_excess"), policy.threshold
+    if excess is None or threshold is None or excess <= policy.target_halfwidth:
+        return False
+    if speed.get("dense_floor_source") == "run_reference":  # already estimated against the run's dense floor
+        return False
+    low, high = speed["ci95"]
+    return bool(high >= threshold and low / (1.0 + excess) <= threshold * (1.0 + policy.verdict_margin))
 
 
 def settle_policy(policy: TimingPolicy, prior: Mapping[str, Any]) -> TimingPolicy:
