@@ -3,8 +3,9 @@
 Each variant calibrates an artifact for ``blocks.*.ffn.0`` / ``blocks.*.ffn.2`` (seeds 11/12, the recipe's own
 prompts) with ``worldfoundry calibrate svdquant`` and its flags, then ``worldfoundry bench --quality-only`` runs
 all of them on the evaluation seeds 42/43 with INT8 activations (``backend: reference``, the torch reference of
-the W4A8 numerics; ``--backends w4f8`` adds the FP8-activation numerics, ``--activation-groups 128`` INT8
-scales per token and group of 128), against the draft budget (latent rel L2 <= 0.12, PSNR >= 27 dB, min SSIM
+the W4A8 numerics; ``--backends w4f8`` adds the FP8-activation numerics, ``--backends w4a16`` the
+bfloat16-activation numerics of the W4A16 kernel, ``--activation-groups 128`` INT8 scales per token and group of
+128), against the draft budget (latent rel L2 <= 0.12, PSNR >= 27 dB, min SSIM
 >= 0.89). Prints one row per variant and writes the bench's ``results.json`` / ``report.md`` under ``--out``.
 
     python benchmarks/inference/svdquant_fixture_variants.py --out /tmp/svdquant-variants      # ~1 min per variant
@@ -135,8 +136,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="./bench_out/svdquant-variants")
     parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
-    parser.add_argument("--backends", nargs="+", choices=["reference", "w4f8"], default=["reference"],
-                        help="numerics each artifact is benched with: W4A8 (INT8 activations) and/or W4F8 (FP8)")
+    parser.add_argument("--backends", nargs="+", choices=["reference", "w4f8", "w4a16"],
+                        default=["reference"], help="numerics each artifact is benched with: W4A8 (INT8 activations), "
+                                                    "W4F8 (FP8), W4A16 (bfloat16 activations)")
     parser.add_argument("--activation-groups", nargs="+", choices=["token", "64", "128"], default=["token"],
                         help="INT8 activation scales per token, or per token and group of 64 / 128 (W4A8 only)")
     parser.add_argument("--seeds", nargs="+", type=int, default=WORKLOAD["seeds"],

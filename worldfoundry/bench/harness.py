@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Final
 
 import torch
@@ -33,9 +34,10 @@ from worldfoundry.bench.floor import MIN_ROUNDS as FLOOR_MIN_ROUNDS
 from worldfoundry.bench.floor import DenseFloorReference
 from worldfoundry.bench.host_gate import HostGate
 from worldfoundry.bench.host_speed import host_speed_summary, run_probes
+from worldfoundry.bench.retake import needs_retake, retake_control
 from worldfoundry.bench.run_budget import RunBudget, budget_item
 from worldfoundry.bench.run_pricing import generation_mark, optional_seconds, plan_items, reprice_rows
-from worldfoundry.bench.settle import settle_pass, settle_policy, unsettled
+from worldfoundry.bench.settle import SPEED_VERDICTS, settle_pass, settle_policy, unsettled
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     SWITCH_BLOCK,
@@ -309,17 +311,14 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
                                                    registry, monitor, bar, noise_floor, keep=pilots))
         results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
         walls["candidates"] += results["candidates"][-1]["wall_s"]
-    settling = bool(pilots) and not config.extra.get("_noisy", False)
-    if budget is not None and not settling:
+    retake = budget is not None and not config.quality_only and needs_retake(noise_floor, _min_gain(config))
+    if budget is not None and not retake and not (pilots and not config.extra.get("_noisy", False)):
         budget.release_settle()  # nothing to settle: the price kept for the pass is the peers' slack
     if config.peers and not config.quality_only:
         _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     bar.close()
-    if settling:
-        t0 = time.perf_counter()
-        results["settle"] = _settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
-                                    noise_floor)
-        walls["settle"] = time.perf_counter() - t0
+    _retake_and_settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
+                       noise_floor, retake)
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
@@ -330,6 +329,24 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     if not results["dense"]["stable_after_candidates"]:
         logger.error("the dense output changed after the candidates ran: the harness or a plugin did not restore")
     return results
+
+
+def _retake_and_settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dict[int, Any]],
+                       runner: _Runner, dense: dict[int, Any], config: BenchConfig, seeds: list[int],
+                       policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
+                       noise_floor: float, retake: bool) -> None:
+    """After every row and peer: the noise floor's retake when it was planned, then the settling pass over the
+    verdicts still unsettled (none on a noisy host), each with its wall time."""
+    walls = results["wall_s"]
+    if retake:
+        t0 = time.perf_counter()
+        noise_floor = _retake_noise_floor(results, cfile, pilots, runner, dense, config, seeds, monitor)
+        walls["retake"] = time.perf_counter() - t0
+    if pilots and not config.extra.get("_noisy", False):
+        t0 = time.perf_counter()
+        results["settle"] = _settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
+                                    noise_floor)
+        walls["settle"] = time.perf_counter() - t0
 
 
 def _results_header(pipe: NativeDiffusionPipeline, cfile: CandidateFile, model: str, seeds: list[int], rounds: int,
@@ -434,8 +451,8 @@ def _timing_policy(config: BenchConfig, rounds: int, n_seeds: int = 1) -> Timing
                         width_pool=WidthPool(pool) if pool > 0 else None)
 
 
-def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
-    """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
+def _control_pair(runner: _Runner, seeds: list[int]) -> Callable[[int], tuple[Timed, Timed]]:
+    """Round ``r`` of the dense-vs-dense control pair: two dense generations of the round's seed, timed."""
 
     def timed(arm: str, seed: int) -> Timed:
         _, seconds, phases = timed_generate(runner, seed, f"control-{arm}")
@@ -445,10 +462,44 @@ def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], pol
         seed = seeds[r % len(seeds)]
         return timed("a", seed), timed("b", seed)
 
+    return pair
+
+
+def _control_pairs(runner: _Runner, dense: dict[int, Any], seeds: list[int], policy: TimingPolicy) -> dict[str, Any]:
+    """Dense-vs-dense pairs timed like candidate pairs: their speedup CI is the run's noise floor."""
     # one untimed generation through the timed path first: the pilots ran another output path, and the first
     # timed call pays one-off costs (event timers, allocator growth) that would widen the noise floor
     timed_generate(runner, seeds[0], "control-warmup")
-    return run_rounds(pair, control_policy(policy), clock=runner.clock)
+    return run_rounds(_control_pair(runner, seeds), control_policy(policy), clock=runner.clock)
+
+
+def _retake_noise_floor(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dict[int, Any]],
+                        runner: _Runner, dense: dict[int, Any], config: BenchConfig, seeds: list[int],
+                        monitor: GpuSharingMonitor) -> float:
+    """Retake the noise floor (:mod:`worldfoundry.bench.retake`): continue the control pair with the run budget's
+    slack, then decide the floor, the noisy-host banner, the threshold and every speed verdict again; keep the
+    pilots of the verdicts left unsettled. Returns the new noise floor."""
+    tpolicy = config.extra["_timing_policy"]
+    tpolicy.run_budget.release_settle()  # the retake decides every verdict: it goes before the settling pass
+    control, record = retake_control(results["dense"]["control"], _control_pair(runner, seeds),
+                                     control_policy(tpolicy), tpolicy.run_budget,
+                                     warm=lambda: timed_generate(runner, seeds[0], "control-warmup"),
+                                     clock=runner.clock)
+    results["dense"]["control"], results["retake"] = control, record
+    noise_floor = record["after"]["noise_floor"]
+    results["noise_floor"] = noise_floor
+    results["noisy_host"] = noisy_host(noise_floor, tpolicy)
+    results["decision_threshold"] = decision_threshold(noise_floor, results["min_gain"])
+    results["timing_policy"]["threshold"] = results["decision_threshold"]
+    tpolicy = config.extra["_timing_policy"] = replace(tpolicy, threshold=results["decision_threshold"])
+    config.extra["_noisy"] = bool(results["noisy_host"])
+    by_name = {c.name: c for c in cfile.candidates}
+    for rec in results["candidates"]:
+        if rec.get("speed") and rec.get("verdict") in (*SPEED_VERDICTS, "noisy_host"):
+            _decide_record(rec, by_name[rec["name"]], cfile, config, len(seeds), monitor, noise_floor)
+        if rec["name"] in pilots and not unsettled(rec, tpolicy):
+            del pilots[rec["name"]]
+    return noise_floor
 
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
@@ -510,8 +561,10 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         record["timing_mismatch"] = mismatches
         _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
         tpolicy = config.extra["_timing_policy"]
-        if keep is not None and tpolicy.run_budget is not None and unsettled(record, tpolicy):
-            keep[cand.name] = pilots
+        if keep is not None and tpolicy.run_budget is not None and speed is not None and (
+                unsettled(record, tpolicy) or needs_retake(noise_floor, _min_gain(config))):
+            # the settling pass checks outputs against the latents only; a retake may unsettle any timed verdict
+            keep[cand.name] = {seed: SimpleNamespace(latents=res.latents) for seed, res in pilots.items()}
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
         record.update(verdict="invalid_not_executed", executed=False, error=f"{type(exc).__name__}: {exc}",
@@ -571,7 +624,7 @@ def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dic
         record["timing_mismatch"] = list(record.get("timing_mismatch") or []) + mismatches + more
         _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
 
-    return settle_pass(results["candidates"], tpolicy, retime)
+    return settle_pass([r for r in results["candidates"] if r["name"] in pilots], tpolicy, retime)
 
 
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],

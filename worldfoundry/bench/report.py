@@ -76,6 +76,8 @@ def _wall_line(results: dict[str, Any]) -> list[str]:
              f"{walls.get('candidates', 0):.0f} s"]
     if "peers" in walls:
         parts.append(f"peers {walls['peers']:.0f} s")
+    if "retake" in walls:
+        parts.append(f"noise floor retake {walls['retake']:.0f} s")
     if "settle" in walls:
         parts.append(f"settling pass {walls['settle']:.0f} s")
     return [f"- wall: {walls['total']:.0f} s ({', '.join(parts)})"]
@@ -107,6 +109,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         f"- host gate: {describe_gate(results.get('host_gate'))}",
         f"- run budget: {describe_run_budget(results.get('run_budget'))}",
         *_wall_line(results),
+        *_retake_line(results.get("retake")),
         *_settle_line(results.get("settle")),
         f"- dense output unchanged after all candidates: {results['dense'].get('stable_after_candidates')}",
         "",
@@ -153,6 +156,21 @@ def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None) 
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
+
+
+def _retake_line(retake: dict[str, Any] | None) -> list[str]:
+    """The noise floor's retake (:mod:`worldfoundry.bench.retake`), when the run had one."""
+    if not retake:
+        return []
+    before, after = retake["before"], retake["after"]
+    line = (f"- noise floor retake: the control pair timed at the start read [{before['ci95'][0]:.3f}, "
+            f"{before['ci95'][1]:.3f}] over {before['rounds']} rounds (noise floor {before['noise_floor']:.3f}); ")
+    if not retake["rounds_added"]:
+        return [line + f"no round added ({retake['stopped']}), so that floor stands"]
+    return [line + f"{retake['rounds_added']} rounds added after every row and peer ({retake['seconds']:.0f} s, "
+            f"stopped: {retake['stopped']}): [{after['ci95'][0]:.3f}, {after['ci95'][1]:.3f}] over "
+            f"{after['rounds']} rounds, noise floor {after['noise_floor']:.3f}; every speed verdict decided again "
+            f"against it"]
 
 
 def _settle_line(settle: dict[str, Any] | None) -> list[str]:

@@ -57,3 +57,26 @@ def test_an_unsmoothed_artifact_runs_without_smoothing_and_restores(kit, wan, tm
     assert float((out - dense).norm() / dense.norm()) < 0.05
     session.uninstall()
     kit.assert_same(before, kit.fingerprint(wan))
+
+
+def test_w4a16_asked_for_off_cuda_runs_its_own_reference_visibly(kit, wan, channel_artifact):
+    """Off CUDA (no interpreter), ``backend: w4a16`` runs the torch reference of the W4A16 numerics -- bfloat16
+    activations, no INT8 codes -- not the W4A8 one, and the receipts say which and why."""
+    from worldfoundry.core.acceleration.quantization.svdquant_numerics import w4a16_linear_reference
+
+    if TRITON_AVAILABLE and interpreter_enabled():
+        pytest.skip("under TRITON_INTERPRET=1 w4a16 runs the Triton kernel itself")
+    before = kit.fingerprint(wan)
+    dense = kit.run_wan(wan)
+    session = kit.install(wan, channel_artifact, backend="w4a16")
+    target = next(iter(session.handles("svdquant").values())).runtime.targets[FFN2[0]]
+    x = torch.randn(3, target.weight.in_features)
+    assert torch.equal(target.linear(x), w4a16_linear_reference(x, target.weight, target.linear.bias))
+    with request_scope(RequestContext("r1", branch="cond", step_index=0)):
+        out = kit.run_wan(wan)
+    record = session.execution_report()["plugins"]["svdquant"]["model"]["requests"]["r1"]
+    assert record["modules"] == {p: {"reference_w4a16": 1} for p in FFN2}
+    assert record["counters"]["backend_reason: cpu device"] == 2
+    assert float((out - dense).norm() / dense.norm()) < 0.05
+    session.uninstall()
+    kit.assert_same(before, kit.fingerprint(wan))

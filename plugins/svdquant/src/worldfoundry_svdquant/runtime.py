@@ -3,7 +3,7 @@
 Each selected Linear's forward is replaced by one that runs the SVDQuant Linear
 (:func:`~worldfoundry.core.acceleration.kernels.svdquant_dispatch.svdquant_linear`) and records
 ``executed(path, backend)`` with ``backend`` in ``("w4f8", "w4a8", "w4a8_gluon", "w4a16", "reference",
-"reference_w4f8")`` (``w4a8_gluon``: ``w4a8`` on a Hopper GPU with a per-channel artifact); when the backend is not
+"reference_w4f8", "reference_w4a16")`` (``w4a8_gluon``: ``w4a8`` on a Hopper GPU with a per-channel artifact); when the backend is not
 the one asked for, the counter ``"backend_reason: <why>"`` says why (``"cpu device"`` on the CPU: the torch
 reference of the same W4A8 numerics runs). The original dense Linear runs only for inputs that need
 gradients or live on another device, recorded as ``fallback(path, reason)``; with ``keep_original: cpu``
@@ -178,6 +178,7 @@ class SVDQuantHandle(RecordedHandle):
             "meaning": "executed kinds: w4f8 (FP8 activations, INT4 codes widened to FP8, one torch._scaled_mm with "
                        "the low-rank branch as FP8 head/tail codes), w4a8 (Triton INT8 tensor cores), w4a16 (Triton), "
                        "reference (torch, W4A8 numerics), reference_w4f8 (torch, W4F8 numerics: w4f8 asked for "
-                       "off CUDA); 'backend_reason: ...' counters say why the requested backend did not run",
+                       "off CUDA), reference_w4a16 (torch, W4A16 numerics: w4a16 asked for off CUDA); "
+                       "'backend_reason: ...' counters say why the requested backend did not run",
         }
         return report

@@ -162,6 +162,25 @@ def test_backend_choice_off_cuda_runs_the_w4f8_reference():
     assert torch.equal(y, w4f8_linear_reference(x, sq, None, lowrank_from_codes=True))
 
 
+def test_w4a16_asked_for_off_cuda_runs_the_w4a16_reference(monkeypatch):
+    from worldfoundry.core.acceleration.kernels import svdquant_dispatch
+    from worldfoundry.core.acceleration.quantization.svdquant_numerics import w4a16_linear_reference
+
+    monkeypatch.setattr(svdquant_dispatch, "interpreter_enabled", lambda: False)
+    cpu = torch.device("cpu")
+    for group in (0, 128):
+        assert choose_backend(cpu, "w4a16", group) == svdquant_dispatch.BackendChoice("reference_w4a16", "cpu device")
+    monkeypatch.setattr(svdquant_dispatch, "TRITON_AVAILABLE", False)
+    assert choose_backend(cpu, "w4a16").backend == "reference_w4a16"
+    assert choose_backend(cpu, "w4a8").backend == "reference"
+    sq, _ = _weight(48, 256, 0)
+    x = torch.randn(5, 256)
+    y, used = svdquant_dispatch.svdquant_linear(x, sq, None, backend="w4a16")
+    assert used.backend == "reference_w4a16"
+    assert torch.equal(y, w4a16_linear_reference(x, sq, None))
+    assert svdquant_dispatch.reference_for("reference_w4a16") is w4a16_linear_reference
+
+
 @pytest.mark.parametrize("k", [100, 1536, 2304])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_held_smoothing_quantizer_is_bitwise_the_rowwise_one(k, gelu):

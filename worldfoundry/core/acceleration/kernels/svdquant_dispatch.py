@@ -9,7 +9,8 @@
   else the Triton one;
 * ``w4a16`` (Triton) on other CUDA GPUs; the torch reference of the W4A8 numerics elsewhere -- or, when ``w4f8``
   is asked for explicitly off CUDA, ``reference_w4f8``: the torch reference of the W4F8 numerics (FP8
-  activations, the low-rank branch on the codes), so a CPU run shows what the GPU backend computes.
+  activations, the low-rank branch on the codes), and when ``w4a16`` is, ``reference_w4a16`` (bfloat16
+  activations, no activation quantization), so a CPU run shows what the GPU backend computes.
 
 Example:
     >>> import torch
@@ -56,6 +57,7 @@ from worldfoundry.errors import QuantizationInputError
 BACKENDS: Final = ("auto", "w4f8", "w4a8", "w4a16", "reference")
 #: Kind of a call that ran the torch reference of the W4F8 numerics (``w4f8`` asked for off CUDA).
 REFERENCE_W4F8: Final = "reference_w4f8"
+REFERENCE_W4A16: Final = "reference_w4a16"
 #: Kind of a ``w4a8`` call that ran the persistent Gluon GEMM (per-channel weights on a Hopper GPU).
 W4A8_GLUON: Final = "w4a8_gluon"
 #: Smallest capability ``auto`` runs W4A8 on (Hopper); INT8 tensor cores exist from sm_75/sm_80.
@@ -79,7 +81,8 @@ FUSED_QUANT_LOWRANK_MIN_K: Final[int | None] = 0
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """What ran: ``backend`` in ``("w4f8", "w4a8", "w4a8_gluon", "w4a16", "reference", "reference_w4f8")``, and why
+    """What ran: ``backend`` in ``("w4f8", "w4a8", "w4a8_gluon", "w4a16", "reference", "reference_w4f8",
+    "reference_w4a16")``, and why
     it is not the requested one."""
 
     backend: str
@@ -129,13 +132,11 @@ def choose_backend(device: torch.device, requested: str = "auto", group_size: in
     if requested == "reference":
         return BackendChoice("reference")
     if not TRITON_AVAILABLE:
-        return BackendChoice("reference", REASON_TRITON_MISSING)
+        return _reference(requested, group_size, REASON_TRITON_MISSING)
     if device.type != "cuda":
         if requested in ("w4a8", "w4a16") and interpreter_enabled():
             return BackendChoice(requested)
-        if requested == "w4f8" and group_size == PER_CHANNEL:
-            return BackendChoice(REFERENCE_W4F8, f"{device.type} device")
-        return BackendChoice("reference", f"{device.type} device")
+        return _reference(requested, group_size, f"{device.type} device")
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = _capability(index)
     if requested == "w4a16":
@@ -152,6 +153,16 @@ def choose_backend(device: torch.device, requested: str = "auto", group_size: in
     if requested == "w4a8":
         return BackendChoice("w4a8") if cap >= W4A8_MIN_CAPABILITY else BackendChoice("w4a16", REASON_NO_INT8_TC)
     return BackendChoice("w4a16", REASON_NOT_HOPPER)
+
+
+def _reference(requested: str, group_size: int, reason: str) -> BackendChoice:
+    """The torch reference of the numerics ``requested`` stands for: W4F8's (per-channel weights), W4A16's, else
+    W4A8's."""
+    if requested == "w4f8" and group_size == PER_CHANNEL:
+        return BackendChoice(REFERENCE_W4F8, reason)
+    if requested == "w4a16":
+        return BackendChoice(REFERENCE_W4A16, reason)
+    return BackendChoice("reference", reason)
 
 
 def lowrank_down(x2d: torch.Tensor, weight: SVDQuantWeight) -> torch.Tensor | None:
@@ -207,10 +218,8 @@ def svdquant_linear(x: torch.Tensor, weight: SVDQuantWeight, bias: torch.Tensor 
         out, choice = _w4f8(x, weight, bias, scaled, fast_accum, one_launch)
         if out is not None:
             return out, choice
-    if choice.backend == "reference":
-        return w4a8_linear_reference(x, weight, bias), choice
-    if choice.backend == REFERENCE_W4F8:
-        return w4f8_linear_reference(x, weight, bias, lowrank_from_codes=True), choice
+    if choice.backend in ("reference", REFERENCE_W4F8, REFERENCE_W4A16):
+        return reference_for(choice.backend)(x, weight, bias), choice
     lead = x.shape[:-1]
     x2d = x.reshape(-1, weight.in_features)
     if x2d.stride(-1) != 1:
@@ -325,12 +334,13 @@ def reference_for(backend: str):  # noqa: ANN201 - returns one of three referenc
     W4A8's)."""
     if backend in ("w4f8", REFERENCE_W4F8):
         return functools.partial(w4f8_linear_reference, lowrank_from_codes=True)
-    return w4a16_linear_reference if backend == "w4a16" else w4a8_linear_reference
+    return w4a16_linear_reference if backend in ("w4a16", REFERENCE_W4A16) else w4a8_linear_reference
 
 
 __all__ = [
     "BACKENDS",
     "FUSED_QUANT_LOWRANK_MIN_K",
+    "REFERENCE_W4A16",
     "REFERENCE_W4F8",
     "W4A8_GLUON",
     "BackendChoice",
