@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from worldfoundry.bench import harness, settle
 from worldfoundry.bench.harness import BenchConfig, run_bench
 from worldfoundry.bench.run_budget import RunBudget
-from worldfoundry.bench.settle import pass_price_s, settle_pass, settle_policy, unsettled
-from worldfoundry.bench.timing import SWITCH_BLOCK, Arm, Timed, TimingPolicy, WidthPool, run_rounds, samples, \
-    switching_pairs
+from worldfoundry.bench.settle import pass_price_s, settle_pass, settle_policy, unsettled, wide, width_policy
+from worldfoundry.bench.timing import SWITCH_BLOCK, Arm, Timed, TimingPolicy, WidthPool, ci_halfwidth, run_rounds, \
+    samples, switching_pairs
 
 
 def _clock(step: float):
@@ -249,10 +249,63 @@ def test_a_bench_run_settles_a_candidate_at_its_end(tmp_path: Path, monkeypatch)
                                     max_noise_floor=1e3,
                                     progress=False), registry=_registry())
     a, b = results["candidates"]
-    assert results["settle"]["candidates"] == ["a"] and "settle" not in b
+    assert results["settle"]["candidates"] == ["a"] and b.get("settle", {}).get("reason") in (None, "width")
+    assert ("settle" in b) == (results["settle"]["widened"] == ["b"])  # a CI left wide gets the width part
     before = a["settle"]["before"]
     assert a["speed"]["rounds"] >= before["rounds"] + SWITCH_BLOCK and a["timing_mismatch"] == []
     assert a["verdict"] in ("recommended", "no_stable_gain") and results["dense"]["stable_after_candidates"]
     assert results["wall_s"]["settle"] > 0 and results["run_budget"]["extended_s"] >= a["settle"]["seconds"]
     report = (out / "report.md").read_text()
     assert "settling pass" in report and f"{before['rounds']} rounds" in report
+
+
+@pytest.mark.parametrize("verdict, ci, target, expected", [
+    ("no_stable_gain", (0.944, 1.004), 0.02, True),     # run V's mha-fused: 3.1 % after 5 rounds
+    ("recommended", (1.437, 1.457), 0.02, False),
+    ("recommended", (1.437, 1.457), 0.005, True),
+    ("invalid_timing", (1.1, 1.4), 0.02, True),
+    ("noisy_host", (0.9, 1.2), 0.02, False),             # no speed verdict to stand on it
+    ("rejected_at_install", None, 0.02, False),
+])
+def test_which_rows_the_width_part_takes_up(verdict, ci, target, expected) -> None:
+    record = _record("x", ci or (1.0, 1.0), verdict)
+    if ci is None:
+        record["speed"] = None
+    assert wide(record, TimingPolicy(threshold=1.02, target_halfwidth=target)) is expected
+
+
+def test_the_width_part_follows_the_verdicts_and_skips_rows_already_retimed() -> None:
+    """Unsettled verdicts first, then the wide rows the first part did not take up, in order, each within the
+    run budget, each marked with the reason; without ``widen`` there is no width part."""
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=0.0, clock=clock)
+    policy = TimingPolicy(threshold=1.02, run_budget=budget)
+    records = [_record("wide", (0.944, 1.004)), _record("straddles", (0.99, 1.06)),
+               _record("narrow", (0.98, 0.99)), _record("wide2", (1.3, 1.5), "recommended")]
+    order = []
+
+    def run(tag: str):
+        def go(record: dict) -> None:
+            order.append((tag, record["name"]))
+            clock.now += 5.0
+        return go
+
+    out = settle_pass(records, policy, run("verdict"), clock=clock, widen=run("width"))
+    assert order == [("verdict", "straddles"), ("width", "wide"), ("width", "wide2")]
+    assert out["candidates"] == ["straddles"] and out["widened"] == ["wide", "wide2"] and out["refused"] == []
+    assert [r.get("settle", {}).get("reason") for r in records] == ["width", "verdict", None, "width"]
+    assert out["seconds"] == 15.0 == budget.extended_s
+    plain = [_record("wide", (0.944, 1.004))]
+    assert settle_pass(plain, policy, run("verdict"), clock=clock)["widened"] == [] and "settle" not in plain[0]
+
+
+def test_a_width_pass_continues_the_pair_until_narrow() -> None:
+    """:func:`width_policy`: one more block always, then rounds while the CI is wider than the target."""
+    slow = [1.1, 1.0, 1.2, 1.05] + [1.0] * 40  # the dense arm in a slow phase in three of the first rounds
+    rows = [(_timed(q), _timed(1.0)) for q in slow]
+    first = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=4, max_rounds=4), clock=_clock(0.0))
+    rules = width_policy(TimingPolicy(min_rounds=4, max_rounds=30, target_halfwidth=0.02, budget_s=1e9), first)
+    assert rules.min_rounds == 4 + SWITCH_BLOCK and not rules.verdict_only and rules.width_pool is None
+    more = run_rounds(lambda r: rows[r], rules, clock=_clock(0.0), prior=first)
+    assert more["rounds"] >= 4 + SWITCH_BLOCK and more["stopped"] == "target"
+    assert ci_halfwidth(more) <= 0.02 < ci_halfwidth(first)

@@ -37,7 +37,7 @@ from worldfoundry.bench.host_speed import host_speed_summary, run_probes
 from worldfoundry.bench.retake import needs_retake, retake_control
 from worldfoundry.bench.run_budget import RunBudget, budget_item
 from worldfoundry.bench.run_pricing import generation_mark, optional_seconds, plan_items, reprice_rows
-from worldfoundry.bench.settle import SPEED_VERDICTS, settle_pass, settle_policy, unsettled
+from worldfoundry.bench.settle import SPEED_VERDICTS, settle_pass, settle_policy, unsettled, wide, width_policy
 from worldfoundry.bench.stats import decide, decision_threshold
 from worldfoundry.bench.timing import (
     SWITCH_BLOCK,
@@ -312,7 +312,7 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
         results["candidates"][-1]["wall_s"] = time.perf_counter() - t0
         walls["candidates"] += results["candidates"][-1]["wall_s"]
     retake = budget is not None and not config.quality_only and needs_retake(noise_floor, _min_gain(config))
-    if budget is not None and not retake and not (pilots and not config.extra.get("_noisy", False)):
+    if budget is not None and not retake and not _pending(results, config):
         budget.release_settle()  # nothing to settle: the price kept for the pass is the peers' slack
     if config.peers and not config.quality_only:
         _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
@@ -342,7 +342,7 @@ def _retake_and_settle(results: dict[str, Any], cfile: CandidateFile, pilots: di
         t0 = time.perf_counter()
         noise_floor = _retake_noise_floor(results, cfile, pilots, runner, dense, config, seeds, monitor)
         walls["retake"] = time.perf_counter() - t0
-    if pilots and not config.extra.get("_noisy", False):
+    if pilots and _pending(results, config):
         t0 = time.perf_counter()
         results["settle"] = _settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
                                     noise_floor)
@@ -497,9 +497,15 @@ def _retake_noise_floor(results: dict[str, Any], cfile: CandidateFile, pilots: d
     for rec in results["candidates"]:
         if rec.get("speed") and rec.get("verdict") in (*SPEED_VERDICTS, "noisy_host"):
             _decide_record(rec, by_name[rec["name"]], cfile, config, len(seeds), monitor, noise_floor)
-        if rec["name"] in pilots and not unsettled(rec, tpolicy):
-            del pilots[rec["name"]]
     return noise_floor
+
+
+def _pending(results: dict[str, Any], config: BenchConfig) -> bool:
+    """Whether the settling pass has a row to take up: an unsettled verdict or a CI wider than the target (none
+    on a noisy host)."""
+    tpolicy = config.extra["_timing_policy"]
+    return not config.extra.get("_noisy", False) and any(
+        unsettled(r, tpolicy) or wide(r, tpolicy) for r in results["candidates"])
 
 
 def control_policy(policy: TimingPolicy) -> TimingPolicy:
@@ -561,9 +567,9 @@ def _evaluate(cand: Candidate, runner: _Runner, dense: dict[int, Any], cfile: Ca
         record["timing_mismatch"] = mismatches
         _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
         tpolicy = config.extra["_timing_policy"]
-        if keep is not None and tpolicy.run_budget is not None and speed is not None and (
-                unsettled(record, tpolicy) or needs_retake(noise_floor, _min_gain(config))):
-            # the settling pass checks outputs against the latents only; a retake may unsettle any timed verdict
+        if keep is not None and tpolicy.run_budget is not None and speed is not None:
+            # the settling pass may take up any timed row (a retake may unsettle any verdict, the width part takes
+            # wide ones); it checks outputs against the latents only
             keep[cand.name] = {seed: SimpleNamespace(latents=res.latents) for seed, res in pilots.items()}
     except Exception as exc:
         logger.exception("candidate %s failed while running", cand.name)
@@ -601,7 +607,7 @@ def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dic
     by_name = {c.name: c for c in cfile.candidates}
     den = runner.pipe.components.denoiser
 
-    def retime(record: dict[str, Any]) -> None:
+    def retime(record: dict[str, Any], rules: Callable[[TimingPolicy, dict[str, Any]], TimingPolicy]) -> None:
         cand, kept = by_name[record["name"]], pilots[record["name"]]
         session = den.install(cand.accelerations, policy, registry=registry)
         try:
@@ -613,7 +619,7 @@ def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dic
                     mismatches.append(f"settling pass: candidate output differs from its pilot (rel L2 {err:.3g})")
             prior = record["speed"]
             first = "candidate" if (prior["rounds"] // SWITCH_BLOCK) % 2 == 0 else "dense"  # the candidate's half
-            speed, more, _ = _time_pairs(cand, runner, dense, kept, seeds, settle_policy(tpolicy, prior), policy,
+            speed, more, _ = _time_pairs(cand, runner, dense, kept, seeds, rules(tpolicy, prior), policy,
                                          registry, monitor, None, session, prior=prior, first=first)
         finally:
             if den.session is not None:
@@ -624,7 +630,8 @@ def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dic
         record["timing_mismatch"] = list(record.get("timing_mismatch") or []) + mismatches + more
         _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
 
-    return settle_pass([r for r in results["candidates"] if r["name"] in pilots], tpolicy, retime)
+    return settle_pass([r for r in results["candidates"] if r["name"] in pilots], tpolicy,
+                       lambda r: retime(r, settle_policy), widen=lambda r: retime(r, width_policy))
 
 
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],

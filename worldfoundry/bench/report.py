@@ -175,10 +175,11 @@ def _retake_line(retake: dict[str, Any] | None) -> list[str]:
 
 def _settle_line(settle: dict[str, Any] | None) -> list[str]:
     """The run's settling pass (:mod:`worldfoundry.bench.settle`), when there was one to run."""
-    if not settle or not (settle.get("candidates") or settle.get("refused")):
+    if not settle or not (settle.get("candidates") or settle.get("widened") or settle.get("refused")):
         return []
-    line = (f"- settling pass: {len(settle['candidates'])} candidate(s) whose verdict had not settled timed again "
-            f"after every row and peer ({settle['seconds']:.0f} s)")
+    line = (f"- settling pass: {len(settle['candidates'])} candidate(s) whose verdict had not settled"
+            + (f" and {len(settle['widened'])} whose CI was wider than the target" if settle.get("widened") else "")
+            + f" timed again after every row and peer ({settle['seconds']:.0f} s)")
     if settle.get("refused"):
         line += f"; no time left in the run budget for {', '.join(settle['refused'])}"
     return [line]
@@ -191,7 +192,8 @@ def _settle_note(c: dict[str, Any]) -> list[str]:
         return []
     before, speed = done["before"], c.get("speed") or {}
     low, high = before["ci95"]
-    line = (f"  - settling pass: {before['speedup']:.3f}× [{low:.3f}, {high:.3f}] after {before['rounds']} rounds "
+    what = "settling pass (CI wider than the target)" if done.get("reason") == "width" else "settling pass"
+    line = (f"  - {what}: {before['speedup']:.3f}× [{low:.3f}, {high:.3f}] after {before['rounds']} rounds "
             f"({before['verdict']}, stopped: {before.get('stopped')})")
     if before.get("error"):
         return [line + f"; the pass failed ({before['error']}), so that result stands"]
