@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.bench.fakes import Clock, exact_registry, timed, tiny_candidates
 from worldfoundry.bench import harness, retake
 from worldfoundry.bench.harness import BenchConfig, run_bench
 from worldfoundry.bench.retake import needs_retake, retake_control, round_price_s
@@ -16,21 +16,9 @@ from worldfoundry.bench.run_budget import RunBudget
 from worldfoundry.bench.timing import Timed, TimingPolicy, ci_halfwidth, run_rounds, samples
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _timed(seconds: float, seed: int = 7, steps: int = 3) -> Timed:
-    return Timed(seconds, tuple([seconds / steps] * steps), seed, 1.0, tuple([0.1 * seconds / steps] * steps))
-
-
 def _control(ratios: list[float]) -> tuple[list[tuple[Timed, Timed]], dict]:
     """Control rounds whose first arm ran ``q`` times slower (a slow phase of the host)."""
-    rows = [(_timed(q), _timed(1.0)) for q in ratios]
+    rows = [(timed(q), timed(1.0)) for q in ratios]
     first = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=len(rows), max_rounds=len(rows)), clock=Clock())
     return rows, first
 
@@ -45,7 +33,7 @@ def test_the_control_pair_continues_pooled_until_its_target_and_pays_as_optional
     """The first rounds stay in the estimate (never replaced), the pair is called from the next round on, the
     warm-up runs once before the first new round, and every second counts as the run budget's optional time."""
     rows, first = _control([1.3, 1.0, 1.25, 1.1, 1.2, 1.15])
-    rows += [(_timed(1.0), _timed(1.0))] * 40
+    rows += [(timed(1.0), timed(1.0))] * 40
     clock, called, warmed = Clock(), [], []
     budget = RunBudget(1000.0, tail_s=0.0, clock=clock)
     budget.plan(items=0, first_item_s=1.0)
@@ -87,7 +75,7 @@ def test_a_retake_never_exceeds_its_rounds_time_or_the_run_budget(first_ratios, 
     """Whatever the timings: at most ``max_rounds`` rounds added, none started past the control's time budget,
     and none the run budget refused (its slack never goes negative because of the retake)."""
     rows, first = _control(first_ratios)
-    rows += [(_timed(q), _timed(1.0)) for q in more * 10]
+    rows += [(timed(q), timed(1.0)) for q in more * 10]
     clock = Clock()
     budget = RunBudget(budget_s + 5.0, tail_s=0.0, clock=clock)
     budget.plan(items=0, first_item_s=1.0)
@@ -104,25 +92,11 @@ def test_a_retake_never_exceeds_its_rounds_time_or_the_run_budget(first_ratios, 
     assert record["seconds"] <= 12.0 + 2.0 and budget.slack_s() >= -1e-9
 
 
-def _registry():
-    from tests.bench.test_harness import _scale_factory
-    from worldfoundry.core.acceleration.registry import AccelerationRegistry
-
-    reg = AccelerationRegistry(discover=False)
-    reg.register("exact_test", _scale_factory("exact_test", exact=True))
-    return reg
-
-
 def test_a_bench_run_retakes_a_noisy_floor_and_decides_every_verdict_again(tmp_path: Path, monkeypatch) -> None:
     """On the tiny model, with a run budget: a control pair whose floor declared the host noisy (no speed verdicts)
     is continued after every row; once its pooled floor is under the noisy limit, the banner goes, the threshold is
     the new floor's and every timed row gets a speed verdict; the report says what the retake did."""
-    data = {"workload": {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 2,
-                         "guidance": 5.0, "seeds": [1]}, "timing": {"time_budget_s": 0.5},
-            "candidates": [{"name": "a", "accelerations": {"exact_test": {}}},
-                           {"name": "b", "accelerations": {"exact_test": {}}}]}
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(data))
+    path = tiny_candidates(tmp_path)
     real = harness._control_pairs
 
     def wide_first(runner, dense, seeds, policy):  # the real control pair, its CI read as a slow phase would
@@ -138,7 +112,7 @@ def test_a_bench_run_retakes_a_noisy_floor_and_decides_every_verdict_again(tmp_p
     monkeypatch.setattr(harness, "retake_control", narrow_after)
     out = tmp_path / "o"
     results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(out), run_budget_s=600.0,
-                                    progress=False), registry=_registry())
+                                    progress=False), registry=exact_registry())
     record = results["retake"]
     assert record["before"]["noise_floor"] == pytest.approx(1.3) and record["after"]["noise_floor"] == 1.004
     assert results["noise_floor"] == 1.004 and results["noisy_host"] is None
@@ -151,15 +125,11 @@ def test_a_bench_run_retakes_a_noisy_floor_and_decides_every_verdict_again(tmp_p
 
 
 def test_a_floor_under_the_minimum_gain_is_not_retaken(tmp_path: Path, monkeypatch) -> None:
-    data = {"workload": {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 2,
-                         "guidance": 5.0, "seeds": [1]}, "timing": {"time_budget_s": 0.5},
-            "candidates": [{"name": "a", "accelerations": {"exact_test": {}}}]}
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(data))
+    path = tiny_candidates(tmp_path, ["a"])
     real = harness._control_pairs
     monkeypatch.setattr(harness, "_control_pairs",
                         lambda *a: dict(real(*a), ci95=[0.99, 1.01]))
     monkeypatch.setattr(harness, "retake_control", lambda *a, **k: pytest.fail("not needed"))
     results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(tmp_path / "o"),
-                                    run_budget_s=600.0, progress=False), registry=_registry())
+                                    run_budget_s=600.0, progress=False), registry=exact_registry())
     assert "retake" not in results and "retake" not in results["wall_s"] and results["noise_floor"] == 1.01

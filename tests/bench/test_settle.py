@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.bench.fakes import Clock, exact_registry, timed, tiny_candidates
 from worldfoundry.bench import harness, settle
 from worldfoundry.bench.harness import BenchConfig, run_bench
 from worldfoundry.bench.run_budget import RunBudget
@@ -24,22 +24,10 @@ def _clock(step: float):
     return lambda: next(counter) * step
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _timed(seconds: float, seed: int = 7, steps: int = 3) -> Timed:
-    return Timed(seconds, tuple([seconds / steps] * steps), seed, 1.0, tuple([0.1 * seconds / steps] * steps))
-
-
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 2.0), st.floats(0.5, 2.0)), min_size=3, max_size=8))
 def test_a_summary_gives_back_the_samples_it_was_made_of(pairs) -> None:
-    rows = [(_timed(d, seed=i % 2), _timed(c, seed=i % 2)) for i, (d, c) in enumerate(pairs)]
+    rows = [(timed(d, seed=i % 2), timed(c, seed=i % 2)) for i, (d, c) in enumerate(pairs)]
     out = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=len(rows), max_rounds=len(rows)),
                      clock=_clock(0.0))
     dense, cand = samples(out)
@@ -50,7 +38,7 @@ def test_a_prior_summary_is_continued_not_restarted() -> None:
     """A second pass keeps the first pass's rounds, calls ``pair`` from the next round on, and the estimate is the
     one of all rounds together."""
     ratios = [1.0, 1.05, 1.0, 1.05] + [1.1] * 20
-    rows = [(_timed(1.0), _timed(1.0 / q)) for q in ratios]
+    rows = [(timed(1.0), timed(1.0 / q)) for q in ratios]
     first = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=4, max_rounds=4), clock=_clock(0.0))
     called = []
 
@@ -218,25 +206,11 @@ def test_the_run_budget_keeps_a_candidate_s_price_for_the_settling_pass_until_it
     assert out["candidates"] == ["a"] and seen == [pytest.approx(25.0)] and budget.settle_shares == 0
 
 
-def _registry():
-    from tests.bench.test_harness import _scale_factory
-    from worldfoundry.core.acceleration.registry import AccelerationRegistry
-
-    reg = AccelerationRegistry(discover=False)
-    reg.register("exact_test", _scale_factory("exact_test", exact=True))
-    return reg
-
-
 def test_a_bench_run_settles_a_candidate_at_its_end(tmp_path: Path, monkeypatch) -> None:
     """On the tiny model, with a run budget: a candidate taken as unsettled is installed again after every row,
     its pair continues from its rounds (its dense arm still matching the dense pilot bit for bit), its verdict is
     decided again, the model is dense afterwards, and the report says what the pass did."""
-    data = {"workload": {"prompt": "a red square", "frames": 5, "height": 32, "width": 32, "steps": 2,
-                         "guidance": 5.0, "seeds": [1]}, "timing": {"time_budget_s": 0.5},
-            "candidates": [{"name": "a", "accelerations": {"exact_test": {}}},
-                           {"name": "b", "accelerations": {"exact_test": {}}}]}
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(data))
+    path = tiny_candidates(tmp_path)
     first_pass = {"a"}
 
     def forced(record, policy):  # 'a' is unsettled when its first pass ends, and settled after its second
@@ -247,7 +221,7 @@ def test_a_bench_run_settles_a_candidate_at_its_end(tmp_path: Path, monkeypatch)
     out = tmp_path / "o"
     results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(out), run_budget_s=600.0,
                                     max_noise_floor=1e3,
-                                    progress=False), registry=_registry())
+                                    progress=False), registry=exact_registry())
     a, b = results["candidates"]
     assert results["settle"]["candidates"] == ["a"] and b.get("settle", {}).get("reason") in (None, "width")
     assert ("settle" in b) == (results["settle"]["widened"] == ["b"])  # a CI left wide gets the width part
@@ -302,7 +276,7 @@ def test_the_width_part_follows_the_verdicts_and_skips_rows_already_retimed() ->
 def test_a_width_pass_continues_the_pair_until_narrow() -> None:
     """:func:`width_policy`: one more block always, then rounds while the CI is wider than the target."""
     slow = [1.1, 1.0, 1.2, 1.05] + [1.0] * 40  # the dense arm in a slow phase in three of the first rounds
-    rows = [(_timed(q), _timed(1.0)) for q in slow]
+    rows = [(timed(q), timed(1.0)) for q in slow]
     first = run_rounds(lambda r: rows[r], TimingPolicy(min_rounds=4, max_rounds=4), clock=_clock(0.0))
     rules = width_policy(TimingPolicy(min_rounds=4, max_rounds=30, target_halfwidth=0.02, budget_s=1e9), first)
     assert rules.min_rounds == 4 + SWITCH_BLOCK and not rules.verdict_only and rules.width_pool is None
