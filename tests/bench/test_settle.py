@@ -269,6 +269,10 @@ def test_the_width_part_follows_the_verdicts_and_skips_rows_already_retimed() ->
     assert out["candidates"] == ["straddles"] and out["widened"] == ["wide", "wide2"] and out["refused"] == []
     assert [r.get("settle", {}).get("reason") for r in records] == ["width", "verdict", None, "width"]
     assert out["seconds"] == 15.0 == budget.extended_s
+    clock.now = 100.0 - 6.0 - 5.0  # an install, a warm generation and a block fit, the time budget does not
+    late = [_record("wide", (0.944, 1.004))]
+    out = settle_pass(late, replace(policy, budget_s=6.0), run("verdict"), clock=clock, widen=run("width"))
+    assert out["refused"] == ["wide"] and "settle" not in late[0]
     plain = [_record("wide", (0.944, 1.004))]
     assert settle_pass(plain, policy, run("verdict"), clock=clock)["widened"] == [] and "settle" not in plain[0]
 

@@ -125,7 +125,9 @@ def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
         for record in records:
             if "settle" in record or not needs(record, policy):
                 continue
-            if not budget.allow(pass_price_s(record["speed"])):
+            # a width pass may time rounds for the candidate's whole time budget before the run budget is asked
+            price = pass_price_s(record["speed"]) + (policy.budget_s if key == "widened" else 0.0)
+            if not budget.allow(price):
                 out["refused"].append(record["name"])
                 continue
             out["seconds"] += _one(record, run, budget, clock, "width" if key == "widened" else "verdict")
