@@ -126,6 +126,9 @@ VARIANTS: dict[str, list[str]] = {
     }),
     **{f"rtn-of-{name}": ["--method", "rtn", "--group-size", "64" if name.startswith("g64") else "channel",
                           "--dense-from", f"{{out}}/{name}.json"] for name in _KEEP},
+    # sequential statistics: each block observed with the blocks before it quantized (nineteenth lease)
+    "ch-r64-gptq-pool10-seq": ["--rank", "64", *_CH, *_POOL10, "--sequential"],
+    "ch-r64-gptq-pool10-keep2-seq": ["--rank", "64", *_CH, "--keep-dense", "2", *_POOL10, "--sequential"],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}

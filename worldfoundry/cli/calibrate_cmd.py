@@ -8,7 +8,8 @@ Subcommands:
 
   ``--keep-dense N`` keeps the N units (blocks, or Linears) whose quantization alone changes the calibration
   requests' result most dense (``svdquant_sensitivity``); ``--dense-from ARTIFACT`` leaves out the Linears
-  another artifact's selection kept dense.
+  another artifact's selection kept dense; ``--sequential`` observes each block's Linears again with the blocks
+  before it quantized (``svdquant_sequential``).
 
 Example::
 
@@ -85,6 +86,10 @@ def add_svdquant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-from", default=None, metavar="ARTIFACT",
                    help="leave out the Linears that ARTIFACT's --keep-dense selection kept dense (e.g. an RTN baseline "
                         "on exactly the Linears a sensitivity selection quantized)")
+    p.add_argument("--sequential", action="store_true",
+                   help="observe each block's Linears again with the blocks before it quantized (one more run of "
+                        "the calibration requests per block), so smoothing and rounding fit the inputs they will "
+                        "get; after --keep-dense's selection; recorded under calibration.sequential")
     p.add_argument("--prompts", nargs="+", default=None, help="calibration prompts (one per seed, cycled)")
     p.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
     p.add_argument("--frames", type=int, default=17)
@@ -134,14 +139,15 @@ def run_svdquant(args: argparse.Namespace) -> dict[str, Any]:
             alpha=args.alpha, svd=args.svd, unsmoothed=args.unsmoothed, rounding=args.rounding,
             lowrank_fit=args.lowrank_fit, refine=args.refine, keep_dense=args.keep_dense,
             sensitivity_unit=args.sensitivity_unit, sensitivity_metric=args.sensitivity_metric,
-            dense_from=args.dense_from)
+            dense_from=args.dense_from, sequential=args.sequential)
     manifest["calibration"]["recipe"] = manifest["calibration"].get("recipe") or str(args.recipe)
     manifest["calibration"]["random_weights"] = bool(args.random_weights)
     out = save_svdquant_artifact(manifest, tensors, args.out)
     errors = {p: e["diagnostics"]["weight_rel_l2"] for p, e in manifest["linears"].items()}
     sensitivity = manifest["calibration"].get("sensitivity") or {}
     return {"artifact": str(out), "method": manifest["method"], "rounding": args.rounding,
-            "lowrank_fit": args.lowrank_fit, "refine": args.refine, "rank": manifest["rank"],
+            "lowrank_fit": args.lowrank_fit, "refine": args.refine, "sequential": bool(args.sequential),
+            "rank": manifest["rank"],
             "group_size": manifest["group_size"], "linears": len(errors),
             "weight_rel_l2_max": max(errors.values()), "weight_rel_l2": errors,
             "references": args.save_references, "kept_dense": sensitivity.get("kept_dense_linears", []),

@@ -16,12 +16,14 @@ Steps (``worldfoundry calibrate svdquant`` runs all of them):
    alone, runs the same calibration requests again and leaves the ``N`` units that move the result most out of
    the artifact (``svdquant_sensitivity``; scores under ``calibration.sensitivity``); ``dense_from`` leaves out
    the Linears another artifact's selection kept dense.
+6. With ``sequential=True``, the Linears left quantized are observed again block by block, each block behind the
+   quantized blocks before it, and decomposed from those statistics (``svdquant_sequential``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -147,7 +149,7 @@ def build_svdquant_artifact(
     method: str = "svdquant", rank: int = 32, group_size: int = 64, alpha: float = 0.5, svd: str = "full",
     include: Sequence[str] = (), calibration: Mapping[str, Any] | None = None,
     observer: InputAbsmaxObserver | None = None, unsmoothed: Sequence[str] = (), rounding: str = "nearest",
-    lowrank_fit: str = "svd", refine: int = 0,
+    lowrank_fit: str = "svd", refine: int = 0, decomposed: Mapping[str, SVDQuantWeight] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Decompose every selected Linear and build the manifest and tensors of the artifact.
 
@@ -165,6 +167,8 @@ def build_svdquant_artifact(
         rounding: one of ``ROUNDINGS`` (the GPTQ forms round under the inputs' second moments: the ``observer``
             needs ``second_moments=True``).
         lowrank_fit, refine: low-rank fit and refinement steps (``lowrank_fit`` module; need the moments).
+        decomposed: Linears already decomposed with these settings and statistics (a sequential calibration's),
+            taken as they are.
 
     Returns:
         ``(manifest, tensors)`` for :func:`~worldfoundry.core.acceleration.quantization.svdquant_artifact.save_svdquant_artifact`.
@@ -181,16 +185,13 @@ def build_svdquant_artifact(
     digests = iter(parameter_digests([p for s in selected for p in (s.module.weight, s.module.bias) if p is not None]))
     linears: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
-    plain = _unsmoothed_paths(model, selected, unsmoothed)
+    one = linear_decomposer(model, selected, absmax, observer, rank=rank, group_size=group_size, alpha=alpha,
+                            svd=svd, unsmoothed=unsmoothed, rounding=rounding, lowrank_fit=lowrank_fit,
+                            refine=refine)
     for s in selected:
-        stats = None if s.path in plain else _finite_stats(absmax, s.path)
         w_digest = next(digests)
         b_digest = next(digests) if s.module.bias is not None else None
-        moments = observer.moments[s.path] if needs_moments(rounding, lowrank_fit, refine) else None
-        with torch.no_grad():
-            q = decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
-                          act_absmax=stats, alpha=alpha, svd=svd, rounding=rounding, hessian=moments,
-                          lowrank_fit=lowrank_fit if rank else "svd", refine=refine if rank else 0)
+        q = decomposed[s.path] if decomposed is not None and s.path in decomposed else one(s)
         for name, tensor in q.tensors().items():
             tensors[f"{s.path}.{name}"] = tensor.detach().to("cpu").contiguous()
         linears[s.path] = _linear_record(s, q, w_digest, b_digest, observer)
@@ -202,6 +203,26 @@ def build_svdquant_artifact(
     manifest["calibration"]["lowrank_fit"] = lowrank_fit
     manifest["calibration"]["refine"] = int(refine)
     return manifest, tensors
+
+
+def linear_decomposer(model: nn.Module, selected: Sequence[SelectedLinear],
+                      absmax: Mapping[str, torch.Tensor] | None, observer: InputAbsmaxObserver | None, *,
+                      rank: int, group_size: int, alpha: float = 0.5, svd: str = "full",
+                      unsmoothed: Sequence[str] = (), rounding: str = "nearest", lowrank_fit: str = "svd",
+                      refine: int = 0) -> Callable[[SelectedLinear], SVDQuantWeight]:
+    """``one(s)``: the decomposition of one selected Linear with these settings, reading ``absmax`` and the
+    ``observer``'s moments when it is called (a sequential calibration fills them unit by unit)."""
+    plain = _unsmoothed_paths(model, selected, unsmoothed)
+
+    def one(s: SelectedLinear) -> SVDQuantWeight:
+        stats = None if s.path in plain else _finite_stats(absmax, s.path)
+        moments = observer.moments[s.path] if needs_moments(rounding, lowrank_fit, refine) else None
+        with torch.no_grad():
+            return decompose(s.module.weight, rank=min(rank, *s.module.weight.shape), group_size=group_size,
+                             act_absmax=stats, alpha=alpha, svd=svd, rounding=rounding, hessian=moments,
+                             lowrank_fit=lowrank_fit if rank else "svd", refine=refine if rank else 0)
+
+    return one
 
 
 def needs_moments(rounding: str, lowrank_fit: str = "svd", refine: int = 0) -> bool:
@@ -296,6 +317,7 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
                        guidance: float | None = None, references: str | Path | None = None,
                        keep_dense: int = 0, sensitivity_unit: str = "block",
                        sensitivity_metric: str = "latent_rel_l2", dense_from: str | Path | None = None,
+                       sequential: bool = False,
                        **decomposition: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Run the calibration requests through ``pipe`` (a ``NativeDiffusionPipeline`` without accelerations)
     under an :class:`InputAbsmaxObserver` and build the artifact.
@@ -311,6 +333,8 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
             ``"linear"``) most sensitive on ``sensitivity_metric`` dense, each unit quantized alone on the same
             requests (``svdquant_sensitivity``); 0 measures nothing.
         dense_from: an artifact written with ``keep_dense``: its kept-dense Linears are left out of this one.
+        sequential: observe each block's Linears again with the blocks before it quantized
+            (``svdquant_sequential``; after ``keep_dense``'s selection; ``method="svdquant"`` only).
         **decomposition: ``method``, ``rank``, ``group_size``, ``alpha``, ``svd``, ``unsmoothed``, ``rounding``,
             ``lowrank_fit``, ``refine`` for :func:`build_svdquant_artifact`.
 
@@ -323,6 +347,8 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
     """
     seeds = [int(s) for s in seeds]  # the requests and the mixed-precision settings are checked before any runs
     _check_requests(seeds, prompts, keep_dense, dense_from, sensitivity_unit, sensitivity_metric)
+    if sequential and decomposition.get("method", "svdquant") != "svdquant":
+        raise InvalidRequestError("--sequential refits statistics for --method svdquant; RTN uses none")
     model = pipe.components.denoiser.model
     selected, inherited = _selection(model, include, dense_from)
     units = group_units([s.path for s in selected], sensitivity_unit)
@@ -334,18 +360,63 @@ def calibrate_pipeline(pipe: Any, *, include: Sequence[str], prompts: Sequence[s
     with InputAbsmaxObserver(selected, second_moments=moments) as observer:
         dense = [_calibration_request(pipe, prompts[i % len(prompts)], seed, out_dir, **size)
                  for i, seed in enumerate(seeds)]
-    recipe = getattr(getattr(pipe, "recipe", None), "name", None)
-    provenance = {"recipe": recipe, "requests": [entry for entry, _ in dense], "seeds": seeds, **size,
-                  "device": str(next(model.parameters()).device),
-                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
-    manifest, tensors = build_svdquant_artifact(model, selected, observer.absmax, include=include,
-                                                calibration=provenance, observer=observer, **decomposition)
+    provenance = _provenance(pipe, model, [entry for entry, _ in dense], seeds, size)
+    rerun = partial(_rerun, pipe, prompts, seeds, size)
+    mixed = {"keep_dense": keep_dense, "unit": sensitivity_unit, "metric": sensitivity_metric, "units": units,
+             "dense": [out for _, out in dense], "inherited": inherited}
+    return _artifact(model, selected, observer, rerun, include, provenance, mixed, sequential, decomposition)
+
+
+def _artifact(model: nn.Module, selected: Sequence[SelectedLinear], observer: InputAbsmaxObserver, rerun: Any,
+              include: Sequence[str], provenance: Mapping[str, Any], mixed: Mapping[str, Any], sequential: bool,
+              decomposition: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The artifact from the dense statistics, less the kept-dense units (``mixed``: the ``keep_dense``
+    selection's settings, or the ``inherited`` record of ``dense_from``), rebuilt from sequential statistics when
+    asked."""
+    manifest: dict[str, Any] = {"linears": {s.path: None for s in selected}, "calibration": {}}
+    tensors: dict[str, torch.Tensor] = {}
+    keep_dense = mixed["keep_dense"]
+    if keep_dense or not sequential:
+        manifest, tensors = build_svdquant_artifact(model, selected, observer.absmax, include=include,
+                                                    calibration=provenance, observer=observer, **decomposition)
     if keep_dense:
-        _keep_sensitive_dense(selected, units, manifest, tensors, partial(_rerun, pipe, prompts, seeds, size),
-                              [out for _, out in dense], keep_dense=keep_dense, unit=sensitivity_unit,
-                              metric=sensitivity_metric)
-    elif inherited is not None:
-        manifest["calibration"]["sensitivity"] = inherited
+        _keep_sensitive_dense(selected, mixed["units"], manifest, tensors, rerun, mixed["dense"],
+                              keep_dense=keep_dense, unit=mixed["unit"], metric=mixed["metric"])
+    sensitivity = manifest["calibration"].get("sensitivity") or mixed["inherited"]
+    if sequential:
+        manifest, tensors = _sequential_artifact(model, [s for s in selected if s.path in manifest["linears"]],
+                                                 observer, rerun, include, provenance, decomposition)
+    if sensitivity is not None:
+        manifest["calibration"]["sensitivity"] = sensitivity
+    return manifest, tensors
+
+
+def _provenance(pipe: Any, model: nn.Module, requests: list[Any], seeds: list[int],
+                size: Mapping[str, Any]) -> dict[str, Any]:
+    """The artifact's ``calibration`` record: recipe, requests, seeds, size, device and dtype."""
+    recipe = getattr(getattr(pipe, "recipe", None), "name", None)
+    return {"recipe": recipe, "requests": requests, "seeds": seeds, **size,
+            "device": str(next(model.parameters()).device),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+
+
+def _sequential_artifact(model: nn.Module, selected: Sequence[SelectedLinear], dense: InputAbsmaxObserver,
+                         rerun: Any, include: Sequence[str], provenance: Mapping[str, Any],
+                         decomposition: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The artifact of ``selected`` from sequential statistics (``svdquant_sequential``), recorded under
+    ``calibration.sequential``."""
+    from worldfoundry.base_models.diffusion_model.svdquant_sequential import sequential_statistics
+
+    settings = {k: v for k, v in decomposition.items() if k not in ("method", "include", "calibration")}
+    settings.setdefault("rank", 32)
+    settings.setdefault("group_size", 64)
+    observer, decomposed, units = sequential_statistics(
+        selected, dense, rerun, InputAbsmaxObserver,
+        lambda obs: linear_decomposer(model, selected, obs.absmax, obs, **settings))
+    manifest, tensors = build_svdquant_artifact(model, selected, observer.absmax, include=include,
+                                                calibration=provenance, observer=observer, decomposed=decomposed,
+                                                **decomposition)
+    manifest["calibration"]["sequential"] = {"unit": "block", "units": units, "reruns": max(0, len(units) - 1)}
     return manifest, tensors
 
 
