@@ -129,6 +129,8 @@ VARIANTS: dict[str, list[str]] = {
     # sequential statistics: each block observed with the blocks before it quantized (nineteenth lease)
     "ch-r64-gptq-pool10-seq": ["--rank", "64", *_CH, *_POOL10, "--sequential"],
     "ch-r64-gptq-pool10-keep2-seq": ["--rank", "64", *_CH, "--keep-dense", "2", *_POOL10, "--sequential"],
+    "rtn-of-ch-r64-gptq-pool10-keep2-seq": ["--method", "rtn", "--group-size", "channel", "--dense-from",
+                                            "{out}/ch-r64-gptq-pool10-keep2-seq.json"],
 }
 WORKLOAD = {"prompt": "a red square moving left", "negative_prompt": "", "frames": 9, "height": 32, "width": 32,
             "steps": 8, "guidance": 5.0, "shift": 3.0, "seeds": [42, 43]}
