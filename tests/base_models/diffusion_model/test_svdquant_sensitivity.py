@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.base_models.diffusion_model.svdquant_toys import WIDTH, residual_blocks
 from worldfoundry.base_models.diffusion_model.svdquant_calibration import (
     InputAbsmaxObserver,
     build_svdquant_artifact,
@@ -35,29 +36,13 @@ from worldfoundry.core.acceleration.quantization.svdquant_artifact import (
 )
 from worldfoundry.errors import InvalidRequestError
 
-WIDTH = 128
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ffn = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ffn(x)
-
-
 def _toy(outlier_block: int) -> nn.Module:
     """Three residual blocks; ``outlier_block``'s weight has a huge entry per row, so 4-bit round-to-nearest
     with groups of 64 flattens the rest of its groups to zero while the other blocks quantize well."""
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.blocks = nn.ModuleList([_Block() for _ in range(3)])
+    model = residual_blocks(3, 0.05)
     with torch.no_grad():
-        for block in model.blocks:
-            block.ffn.weight.normal_(0.0, 0.05)
         model.blocks[outlier_block].ffn.weight[:, ::64] = 3.0
-    return model.eval()
+    return model
 
 
 def _requests(model: nn.Module) -> list[RequestOutput]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.base_models.diffusion_model.svdquant_toys import WIDTH, residual_blocks
 from worldfoundry.base_models.diffusion_model.svdquant_calibration import (
     InputAbsmaxObserver,
     build_svdquant_artifact,
@@ -22,34 +23,9 @@ from worldfoundry.base_models.diffusion_model.svdquant_sequential import sequent
 from worldfoundry.cli.main import main
 from worldfoundry.core.acceleration.quantization.svdquant_artifact import load_svdquant_artifact
 
-WIDTH = 128
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ffn = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.ffn(x))
-
 
 def _toy() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.blocks = nn.ModuleList([_Block() for _ in range(3)])
-    with torch.no_grad():
-        for block in model.blocks:
-            block.ffn.weight.normal_(0.0, 0.2)
-    model.eval()
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for block in model.blocks:
-            x = block(x)
-        return x
-
-    model.forward = forward
-    return model
+    return residual_blocks(3, 0.2, torch.tanh)  # a quantized block changes the inputs of the blocks after it
 
 
 def _run(model: nn.Module) -> list[torch.Tensor]:
