@@ -1,7 +1,7 @@
 """H200: the whole W4A8 Linear as ``svdquant`` runs it, against bf16 ``F.linear`` with bias, interleaved.
 
 The per-Linear goal of ``svdquant`` counts everything the Linear costs: per-token INT8 quantization of the bf16
-input (with smoothing), the rank-32 low-rank down projection, the W4A8 GEMM with the low-rank up term and bias.
+input (with smoothing), the rank-32 (``--rank``) low-rank down projection, the W4A8 GEMM with the low-rank up term and bias.
 At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 -> 1536), this times:
 
 * ``bf16_linear_bias``: ``F.linear(x, w, bias)`` (cuBLAS), the anchor;
@@ -10,6 +10,8 @@ At the Wan 2.1 1.3B FFN shapes at W81 (M = 32,760 tokens; 1536 -> 8960 and 8960 
 * ``svdquant_linear_fused_input``: the same with ``fused_lowrank=True`` (quantizer and low-rank in one kernel,
   the default since ``FUSED_QUANT_LOWRANK_MIN_K = 0``);
 * ``svdquant_linear_two_kernels``: the same with ``fused_lowrank=False`` (quantizer and low-rank GEMM separate);
+* ``svdquant_linear_unsmoothed``: the same for a Linear calibrated with ``--unsmoothed`` (no smoothing multiply
+  in the quantizer);
 * ``gemm_only``: the persistent GEMM with precomputed codes, scales and ``t`` (what the input side costs is the
   difference);
 * for the down projection (K 8960) with its producer, as the plugin's ``fuse_gelu`` runs an FFN:
@@ -52,6 +54,7 @@ Operands: Gaussian activations and weights, random smoothing and factors (speed 
 the suite). Writes ``<out>/w4a8_linear.json`` (default ``$OUT`` or ``./bench_out``).
 
     python benchmarks/kernels/w4a8_linear.py --out "$OUT"      # about a minute on an H200
+    python benchmarks/kernels/w4a8_linear.py --rank 64 --ffn --timing synced --out "$OUT"   # the rank of svdquant-tiny-keep2
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def variants(k: int, n: int, act_group: int | None = None) -> tuple[dict[str, An
            "svdquant_linear_two_kernels": lambda: svdquant_linear(x, weight, bias, backend="w4a8",
                                                                   fused_lowrank=False),
            "gemm_only": lambda: gluon_w4a8_persistent_gemm(q, s, weight, t, bias)}
+    plain = SVDQuantWeight(packed, scales, 0, lora_down=down, lora_up=up)  # calibrated with --unsmoothed
+    ran["svdquant_linear_unsmoothed"] = svdquant_linear(x, plain, bias, backend="w4a8")[1].backend
+    fns["svdquant_linear_unsmoothed"] = lambda: svdquant_linear(x, plain, bias, backend="w4a8")
     if act_group:
         fns.update(_act_group_rows(x, weight, bias, act_group))
         ran["svdquant_linear_act_group"] = svdquant_linear(x, weight, bias, backend="w4a8",
@@ -267,6 +273,14 @@ def shape_section(k: int, n: int, blocks: int, reps: int, timings: list[str],
             "host_issue_us": {name: statistics.median(v) for name, v in host.items()}}
 
 
+def set_rank(rank: int) -> None:
+    """The low-rank branch's rank for every operand built after this call."""
+    global RANK
+    if rank < 1:
+        raise SystemExit(f"--rank must be at least 1, got {rank}")
+    RANK = rank
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
@@ -280,7 +294,9 @@ def main() -> None:
                              "seconds each, logging SM clock and power (power_probe.py; section 'power')")
     parser.add_argument("--act-group", type=int, choices=(128, 256), default=None,
                         help="also time the Linear with INT8 scales per token and group of this many input channels")
+    parser.add_argument("--rank", type=int, default=RANK, help="rank of the low-rank branch (default 32)")
     args = parser.parse_args()
+    set_rank(args.rank)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = {f"{k}->{n}": shape_section(k, n, args.blocks, args.reps, args.timing, args.act_group)
@@ -288,7 +304,7 @@ def main() -> None:
     if args.ffn:
         shapes["ffn"] = shape_section(0, 0, args.blocks, args.reps, args.timing)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
-              "reps": args.reps, "burst": BURST, "act_group": args.act_group,
+              "reps": args.reps, "burst": BURST, "act_group": args.act_group, "rank": RANK,
               "commit": os.environ.get("COMMIT"), "shapes": shapes}
     if args.power_probe > 0:
         fns = variants(*SHAPES[0])[0]
