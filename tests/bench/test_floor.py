@@ -139,3 +139,17 @@ def test_reference_step_floor_resamples_the_candidate_only() -> None:
     assert reference_step_floor(cand[:1], [42], ref)["ci95"][0] != reference_step_floor(cand[:1], [42], ref)["ci95"][0]
     assert reference_step_floor(cand, [43, 43, 43], ref) is None  # a seed the reference has not seen
     assert reference_step_floor([[0.05], [0.05, 0.05]], [42, 42], ref) is None  # steps that do not line up
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.5, 2.0), st.floats(0.0, 0.1), st.floats(1.0, 1.2), st.floats(0.0, 0.1),
+       st.sampled_from(["recommended", "no_stable_gain", "noisy_host"]))
+def test_held_by_floor_is_exactly_the_verdict_a_quiet_floor_would_flip(low, width, floor, min_gain, verdict) -> None:
+    from worldfoundry.bench.stats import decision_threshold, held_by_floor
+
+    speed = {"ci95": [low, low + width]}
+    held = held_by_floor(verdict, speed, floor, min_gain)
+    if verdict != "no_stable_gain":
+        assert not held
+    else:
+        assert held == (low <= decision_threshold(floor, min_gain) and low > decision_threshold(1.0, min_gain))

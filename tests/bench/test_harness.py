@@ -336,3 +336,24 @@ def test_report_marks_a_verdict_that_had_not_settled_when_its_rounds_ended(tmp_p
             "(run_budget, 5 rounds); a repeat run may give the other verdict") in text
     assert "CI [0.990, 1.040] against the threshold" in text
     assert text.count("verdict not settled") == 2
+
+
+def test_report_names_a_gain_that_only_the_noise_floor_held_back(tmp_path: Path) -> None:
+    """Run Y of the twentieth H200 lease: `cuda-graph` at 1.041× [1.038, 1.041] under a noise floor of 1.049."""
+    def row(name: str, verdict: str, ci: list[float]) -> dict:
+        speed = {"speedup": ci[1], "ci95": ci, "halfwidth": 0.002, "rounds": 4, "stopped": "target"}
+        return {"name": name, "verdict": verdict, "accelerations": {name: {}}, "speed": speed}
+
+    results = {"model": "m", "git": {"revision": "abc", "dirty": False}, "environment": {"device": "cpu"},
+               "budget": {"latent_rel_l2": 0.03, "psnr_db": 33.0, "min_ssim": 0.98}, "workload": {},
+               "seeds": [1], "rounds": 4, "dense": {}, "noise_floor": 1.049, "min_gain": 0.02,
+               "decision_threshold": 1.049,
+               "candidates": [row("held", "no_stable_gain", [1.038, 1.041]),
+                              row("under-gain", "no_stable_gain", [1.01, 1.04]),
+                              row("clear", "recommended", [1.45, 1.47])]}
+    text = write_report(results, tmp_path).read_text()
+    assert ("held back by this run's noise floor: CI [1.038, 1.041] clears 1 + the minimum gain (1.020) but not the "
+            "noise floor (1.049)") in text
+    assert text.count("held back by this run's noise floor") == 1
+    results["noise_floor"] = 1.003  # a quiet host: the floor withholds nothing
+    assert "held back" not in write_report(results, tmp_path).read_text()

@@ -10,6 +10,7 @@ from typing import Any
 from worldfoundry.bench.host_gate import describe as describe_gate
 from worldfoundry.bench.host_speed import describe as describe_host
 from worldfoundry.bench.run_budget import describe as describe_run_budget
+from worldfoundry.bench.stats import held_by_floor
 from worldfoundry.bench.timing import undecided
 from worldfoundry.bench.metrics import json_number
 
@@ -125,15 +126,17 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         "",
     ]
     for c in results["candidates"]:
-        lines += _candidate_details(c, results.get("timing_policy") or {})
+        lines += _candidate_details(c, results.get("timing_policy") or {}, results)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None) -> list[str]:
-    """The report's lines under one candidate: errors, what did not run, fallbacks, skips, an unsettled verdict,
-    notes (``policy``: the run's ``timing_policy``, for the threshold and the verdict margin)."""
+def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None,
+                       results: dict[str, Any] | None = None) -> list[str]:
+    """The report's lines under one candidate: errors, what did not run, fallbacks, skips, an unsettled verdict, a
+    verdict the noise floor held back, notes (``policy``: the run's ``timing_policy``, for the threshold and the
+    verdict margin; ``results``: the run's, for its noise floor and minimum gain)."""
     details = []
     if c.get("error"):
         details.append(f"  - error: {c['error']}")
@@ -153,6 +156,7 @@ def _candidate_details(c: dict[str, Any], policy: dict[str, Any] | None = None) 
     details += _dense_floor_note(c.get("speed") or {})
     details += _settle_note(c)
     details += _unsettled_note(c, policy or {})
+    details += _floor_held_note(c, results or {})
     if c.get("notes"):
         details.append(f"  - notes: {c['notes']}")
     return [f"- **{c['name']}** ({json.dumps(c['accelerations'])})", *details] if details else []
@@ -216,6 +220,18 @@ def _unsettled_note(c: dict[str, Any], policy: dict[str, Any]) -> list[str]:
     return [f"  - verdict not settled: CI [{low:.3f}, {high:.3f}] against the threshold {threshold:.3f} (margin "
             f"{margin:.1%}) when its rounds ended ({speed.get('stopped', '?')}, {speed.get('rounds', '?')} rounds); "
             "a repeat run may give the other verdict"]
+
+
+def _floor_held_note(c: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """A ``no_stable_gain`` that only this run's noise floor withheld (:func:`~worldfoundry.bench.stats.held_by_floor`)."""
+    floor, min_gain = results.get("noise_floor"), results.get("min_gain")
+    speed = c.get("speed") or {}
+    if not held_by_floor(c.get("verdict"), speed, floor, min_gain):
+        return []
+    low, high = speed["ci95"]
+    return [f"  - held back by this run's noise floor: CI [{low:.3f}, {high:.3f}] clears 1 + the minimum gain "
+            f"({1 + max(0.0, min_gain or 0.0):.3f}) but not the noise floor ({floor:.3f}) that the dense-vs-dense "
+            "control pairs set on this host; on a quieter host the same CI would be `recommended` (run again)"]
 
 
 def _dense_floor_note(speed: dict[str, Any]) -> list[str]:

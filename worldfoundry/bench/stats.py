@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -117,3 +118,21 @@ def decide(*, installed: bool, finite: bool, executed: bool, exact_ok: bool, tim
 def decision_threshold(noise_floor: float, min_gain: float) -> float:
     """The value a speedup CI's lower bound must exceed for ``recommended``: ``max(1 + min_gain, noise_floor)``."""
     return max(1.0 + max(0.0, min_gain), noise_floor)
+
+
+def held_by_floor(verdict: str | None, speed: Mapping[str, Any] | None, noise_floor: float | None,
+                  min_gain: float | None) -> bool:
+    """Whether a ``no_stable_gain`` verdict is the noise floor's doing: the speedup CI's lower bound clears
+    ``1 + min_gain`` but not the run's noise floor, so on a host whose control pairs agree (floor at or below
+    ``1 + min_gain``) the same CI would be ``recommended``.
+
+    >>> held_by_floor("no_stable_gain", {"ci95": [1.038, 1.041]}, 1.049, 0.02)
+    True
+    >>> held_by_floor("no_stable_gain", {"ci95": [1.01, 1.04]}, 1.049, 0.02)
+    False
+    """
+    if verdict != "no_stable_gain" or not speed or not speed.get("ci95") or noise_floor is None:
+        return False
+    low = speed["ci95"][0]
+    gain = 1.0 + max(0.0, min_gain or 0.0)
+    return bool(low == low and gain < low <= noise_floor)
