@@ -21,7 +21,8 @@ section):
    grouping ``--forward-mode`` (default per channel), randomized SVD, ``keep_original: cpu``), one model per
    ``--forward-variants`` entry (``smoothed``; ``unsmoothed-ffn2``: ``ffn.2`` calibrated without smoothing;
    ``unsmoothed``: both; the ``-one-launch`` variants add ``one_launch_operand: true``; ``unsmoothed-ffn2-w4a8``
-   runs INT8 activations, ``backend: w4a8``), all
+   runs INT8 activations, ``backend: w4a8``; ``unsmoothed-w4a8``: both unsmoothed with INT8 activations, the
+   configuration of the shipped ``svdquant-tiny-keep2`` artifact at ``--rank 64``), all
    timed in the same interleaved rounds against dense: forward ratio, latent rel L2,
    receipts (kernels run, no fallback), device bytes, exact restore after uninstall.
 3. ``memory_14b``: Wan2.1-T2V-14B architecture (40 layers, dim 5120, 40 heads, FFN 13,824; random weights
@@ -332,12 +333,12 @@ def calibrate_random(model: nn.Module, inputs: dict[str, Any], out: Path, *, gro
 FORWARD_VARIANTS: dict[str, tuple[str, ...]] = {
     "smoothed": (), "unsmoothed-ffn2": ("blocks.*.ffn.2",), "unsmoothed": INCLUDE,
     "unsmoothed-ffn2-one-launch": ("blocks.*.ffn.2",), "unsmoothed-one-launch": INCLUDE,
-    "unsmoothed-ffn2-w4a8": ("blocks.*.ffn.2",)}
+    "unsmoothed-ffn2-w4a8": ("blocks.*.ffn.2",), "unsmoothed-w4a8": INCLUDE}
 #: plugin options beyond the artifact per variant (the others take the defaults; ``-w4a8``: INT8 activations,
 #: the fused FFN with the one-pass GELU producer fed by the up GEMM's row maxima)
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
     "unsmoothed-ffn2-one-launch": {"one_launch_operand": True}, "unsmoothed-one-launch": {"one_launch_operand": True},
-    "unsmoothed-ffn2-w4a8": {"backend": "w4a8"}}
+    "unsmoothed-ffn2-w4a8": {"backend": "w4a8"}, "unsmoothed-w4a8": {"backend": "w4a8"}}
 
 
 def _group(device: torch.device, args: argparse.Namespace) -> int:
