@@ -3,8 +3,8 @@
 ``w4a8_linear.py`` reports ``host_issue_us``: the host's time in one ``svdquant_linear`` call. On a slow host it
 was 523 us for the up projection against 117 us for bf16 ``F.linear``, and the synchronised ratio fell from 1.47x
 (the GPU's time, a CUDA graph of one call) to 1.01x. This script splits that time: each piece of the call is timed
-alone (median over ``--reps`` host timings, no GPU synchronisation inside a piece) and the whole call is profiled
-with ``cProfile`` (top functions by own time). Pieces, at the W81 FFN up projection (M 32,760, 1536 -> 8960,
+alone (:func:`cuda_timing.host_issue_us`: median over ``--reps`` host timings, the GPU drained before each) and
+the whole call is profiled with ``cProfile`` (top functions by own time). Pieces, at the W81 FFN up projection (M 32,760, 1536 -> 8960,
 ``--rank``, unsmoothed):
 
 * ``whole_call``: :func:`svdquant_linear` with ``backend="w4a8"``;
@@ -26,14 +26,13 @@ import io
 import json
 import os
 import pstats
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import host_issue_us
 
 from worldfoundry.core.acceleration.kernels.int8_quant_lowrank import triton_quantize_rows_int8_lowrank
 from worldfoundry.core.acceleration.kernels.svdquant_dispatch import svdquant_linear
@@ -47,18 +46,6 @@ from worldfoundry.core.acceleration.quantization.int4_packing import quantize_in
 from worldfoundry.core.acceleration.quantization.svdquant_numerics import SVDQuantWeight
 
 M_TOKENS, K, N = 32760, 1536, 8960
-
-
-def host_us(fn: Callable[[], Any], reps: int) -> float:
-    """Median host microseconds of one call of ``fn`` (the GPU drained before each, as a synchronised sample)."""
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def operands(rank: int) -> dict[str, Any]:
@@ -122,7 +109,7 @@ def main() -> None:
     for fn in timed.values():  # compile, allocator, caches
         fn()
         fn()
-    result = {name: round(host_us(fn, args.reps), 1) for name, fn in timed.items()}
+    result = {name: round(host_issue_us(fn, args.reps), 1) for name, fn in timed.items()}
     text = profile_text(timed["whole_call"], args.reps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
