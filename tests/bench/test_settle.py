@@ -233,6 +233,38 @@ def test_a_bench_run_settles_a_candidate_at_its_end(tmp_path: Path, monkeypatch)
     assert "settling pass" in report and f"{before['rounds']} rounds" in report
 
 
+def test_the_settling_pass_comes_before_the_peers_and_keeps_their_price(tmp_path: Path, monkeypatch) -> None:
+    """With peers and a row whose verdict is not settled: the pass runs after the rows and before the peers, while
+    the run budget's reserve still holds the peer's mandatory price (the peers' optional rounds take what the pass
+    leaves, not the other way round)."""
+    path = tiny_candidates(tmp_path)
+
+    def forced(record, policy):
+        return record.get("name") == "a" and "settle" not in record and record.get("speed") is not None
+
+    monkeypatch.setattr(harness, "unsettled", forced)
+    monkeypatch.setattr(settle, "unsettled", forced)
+    order: list[tuple[str, int]] = []
+    settle_first, peers_first = harness._settle, harness._time_peers
+
+    def settle_spy(results, cfile, pilots, runner, dense, config, *rest):
+        order.append(("settle", config.extra["_timing_policy"].run_budget.peers_left))
+        return settle_first(results, cfile, pilots, runner, dense, config, *rest)
+
+    def peers_spy(results, *rest):
+        order.append(("peers", len(results["candidates"])))
+        return peers_first(results, *rest)
+
+    monkeypatch.setattr(harness, "_settle", settle_spy)
+    monkeypatch.setattr(harness, "_time_peers", peers_spy)
+    results = run_bench(BenchConfig(model="tiny-wan2.1", candidates=str(path), out=str(tmp_path / "o"),
+                                    run_budget_s=600.0, max_noise_floor=1e3, peers=["eager"], progress=False),
+                        registry=exact_registry())
+    assert order == [("settle", 1), ("peers", 2)]
+    assert "a" in results["settle"]["candidates"] and results["peers"][0]["verdict"] == "peer_reference"
+    assert results["dense"]["stable_after_candidates"]
+
+
 @pytest.mark.parametrize("verdict, ci, target, expected", [
     ("no_stable_gain", (0.944, 1.004), 0.02, True),     # run V's mha-fused: 3.1 % after 5 rounds
     ("recommended", (1.437, 1.457), 0.02, False),

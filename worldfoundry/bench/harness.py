@@ -314,11 +314,14 @@ def _run(pipe: NativeDiffusionPipeline, cfile: CandidateFile, config: BenchConfi
     retake = budget is not None and not config.quality_only and needs_retake(noise_floor, _min_gain(config))
     if budget is not None and not retake and not _pending(results, config):
         budget.release_settle()  # nothing to settle: the price kept for the pass is the peers' slack
-    if config.peers and not config.quality_only:
-        _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     bar.close()
+    # the candidates' verdicts and widths before the peers' optional rounds: the peers' mandatory part stays in the
+    # run budget's reserve, their rounds past it take what the pass leaves (at W17 on an H200 the peers spent 71 s,
+    # 37 s of it optional, and the pass then had no room for two rows still wider than the target)
     _retake_and_settle(results, cfile, pilots, runner, dense, config, seeds, policy, registry, monitor,
                        noise_floor, retake)
+    if config.peers and not config.quality_only:
+        _time_peers(results, config.peers, runner, dense, seeds, tpolicy)
     after = runner.generate(seeds[0], "dense-after")
     results["dense"]["stable_after_candidates"] = bool(torch.equal(after.latents, dense[seeds[0]].latents))
     results["gpu_sharing"] = monitor.to_json()
@@ -335,8 +338,9 @@ def _retake_and_settle(results: dict[str, Any], cfile: CandidateFile, pilots: di
                        runner: _Runner, dense: dict[int, Any], config: BenchConfig, seeds: list[int],
                        policy: RuntimePolicy, registry: AccelerationRegistry, monitor: GpuSharingMonitor,
                        noise_floor: float, retake: bool) -> None:
-    """After every row and peer: the noise floor's retake when it was planned, then the settling pass over the
-    verdicts still unsettled (none on a noisy host), each with its wall time."""
+    """After every row, before the peers: the noise floor's retake when it was planned, then the settling pass over
+    the verdicts still unsettled and the rows still wider than the target (none on a noisy host), each with its wall
+    time."""
     walls = results["wall_s"]
     if retake:
         t0 = time.perf_counter()

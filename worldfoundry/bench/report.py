@@ -171,7 +171,7 @@ def _retake_line(retake: dict[str, Any] | None) -> list[str]:
             f"{before['ci95'][1]:.3f}] over {before['rounds']} rounds (noise floor {before['noise_floor']:.3f}); ")
     if not retake["rounds_added"]:
         return [line + f"no round added ({retake['stopped']}), so that floor stands"]
-    return [line + f"{retake['rounds_added']} rounds added after every row and peer ({retake['seconds']:.0f} s, "
+    return [line + f"{retake['rounds_added']} rounds added after every row, before the peers ({retake['seconds']:.0f} s, "
             f"stopped: {retake['stopped']}): [{after['ci95'][0]:.3f}, {after['ci95'][1]:.3f}] over "
             f"{after['rounds']} rounds, noise floor {after['noise_floor']:.3f}; every speed verdict decided again "
             f"against it"]
@@ -183,7 +183,7 @@ def _settle_line(settle: dict[str, Any] | None) -> list[str]:
         return []
     line = (f"- settling pass: {len(settle['candidates'])} candidate(s) whose verdict had not settled"
             + (f" and {len(settle['widened'])} whose CI was wider than the target" if settle.get("widened") else "")
-            + f" timed again after every row and peer ({settle['seconds']:.0f} s)")
+            + f" timed again after every row, before the peers ({settle['seconds']:.0f} s)")
     if settle.get("refused"):
         line += f"; no time left in the run budget for {', '.join(settle['refused'])}"
     return [line]

@@ -8,8 +8,8 @@ while only 14 % of its timed generations ran in a slow phase, the candidates' CI
 of the run budget were left unused.
 
 When the floor is above ``1 + min_gain`` (it, not the minimum gain, sets the threshold) and the run budget has
-slack once every row and peer has run, :func:`retake_control` continues the same control pair from the rounds it
-has (``run_rounds(prior=...)``): the new rounds are pooled with the first ones, never substituted for them, so a
+slack once every row has run (before the peers), :func:`retake_control` continues the same control pair from the
+rounds it has (``run_rounds(prior=...)``): the new rounds are pooled with the first ones, never substituted for them, so a
 retake cannot pick the better of two measurements. It adds rounds until the pair's half-width reaches the control
 target, the control's time budget is spent, or the run budget has no room for another round. The bench then
 decides the noise floor, the noisy-host banner, the decision threshold and every speed verdict again from the

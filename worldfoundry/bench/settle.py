@@ -10,7 +10,8 @@ out: either way its verdict could go the other way on a repeat run (at W17 on an
 ``recommended`` in each run whose rounds ended on the target and ``no_stable_gain`` in each run whose rounds the
 run budget cut).
 
-Once every row and peer has run, the slack left in the run budget goes to those candidates, in their order
+Once every row has run, and before the peers (their mandatory part stays in the run budget's reserve; their
+rounds past it take what the pass leaves), the slack left in the run budget goes to those candidates, in their order
 (:func:`settle_pass`): each is installed again, warmed by one generation that is checked against its pilot, and its
 pair continues (:func:`~worldfoundry.bench.timing.switching_pairs` with ``prior``: the same step-floor estimate,
 more rounds) while the verdict is undecided, for up to ``extend_factor * budget_s`` and while the run budget allows
