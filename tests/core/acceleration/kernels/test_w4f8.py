@@ -205,9 +205,10 @@ def test_held_smoothing_quantizer_is_bitwise_the_rowwise_one(k, gelu):
 @pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("smoothed", [True, False])
 def test_one_launch_operand_is_the_two_launch_one(k, gelu, smoothed):
-    """Codes, scales and appended codes in one launch: bitwise those of the quantizer + appended-codes kernels
-    (rows not a multiple of the tile; a producer GELU; with and without smoothing); with another tile (``K`` 384
-    not a multiple of its ``BLOCK_K``) the codes and scales still bitwise."""
+    """Codes and scales in one launch: bitwise those of the quantizer + appended-codes kernels (rows not a multiple
+    of the tile; a producer GELU; with and without smoothing), also with another tile (``K`` 384 not a multiple of
+    its ``BLOCK_K``); the appended low-rank codes at most one e4m3 step apart, and rarely that: their float32 dot
+    sums follow the tile's rows (with one thread, ``k`` 384, GELU and smoothing, 1 of 1,776 differed)."""
     from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import _KERNEL_ARGS
 
     gen = torch.Generator().manual_seed(k)
@@ -220,8 +221,22 @@ def test_one_launch_operand_is_the_two_launch_one(k, gelu, smoothed):
     a2, s2 = sm.activation_operand(x, sq, prep, held_smoothing=False, **quant)
     a1, s1 = sm.activation_operand(x, sq, prep, one_launch=True, one_launch_tile=(16, 128, 4), **quant)
     assert torch.equal(s1, s2)
-    assert torch.equal(a1.view(torch.uint8), a2.view(torch.uint8))
+    assert torch.equal(a1[:, :k].view(torch.uint8), a2[:, :k].view(torch.uint8))
+    _within_one_e4m3_step(a1[:, k:], a2[:, k:])
     a3, s3 = sm.activation_operand(x, sq, prep, one_launch=True, one_launch_tile=(32, 256, 4), **quant)
     assert torch.equal(a3[:, :k].view(torch.uint8), a2[:, :k].view(torch.uint8)) and torch.equal(s3, s2)
     # another BLOCK_K sums the dot in another order: the appended codes agree within one e4m3 step of the head
     assert (a3[:, k:].float() - a2[:, k:].float()).abs().max() <= 2**-3 * a2[:, k:].float().abs().max()
+
+
+def _within_one_e4m3_step(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two e4m3 code tensors equal but for codes one representable step apart (same sign and magnitude bits
+    differing by one, or zero and the smallest magnitude of either sign; zero's two signs alike), on at most 1 % of
+    the codes."""
+    x, y = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    differ = x != y
+    mag_x, mag_y = x & 0x7F, y & 0x7F
+    same_sign = ((x >> 7) == (y >> 7)) | ((mag_x == 0) & (mag_y == 0))
+    one_step = (same_sign & ((mag_x - mag_y).abs() <= 1)) | (mag_x + mag_y == 1)  # or across zero
+    assert bool(one_step[differ].all()), "appended codes more than one step apart"
+    assert int(differ.sum()) <= max(1, differ.numel() // 100)

@@ -11,7 +11,8 @@ float32 like the two-launch path.
 The codes are rounded onto the e4m3 grid in float32 bit arithmetic (the rounding, ties to even, and saturation
 of the hardware cast) before the exact casts to FP8 (stored) and bfloat16 (the dot), so the dot sees exactly the
 stored codes. Codes and scales are bitwise those of the rowwise quantizer; the appended codes are those of the
-two-launch path up to the order of the float32 dot sums (bitwise under the interpreter, tested).
+two-launch path up to the order of the float32 dot sums, which follows the tile's rows: at most one e4m3 step
+apart, and rarely (tested under the interpreter: 1 of 1,776 in one case, none in the others).
 
 :func:`store_appended_codes` is the epilogue both paths share.
 """
