@@ -291,7 +291,7 @@ def test_the_width_part_follows_the_verdicts_and_skips_rows_already_retimed() ->
     order = []
 
     def run(tag: str):
-        def go(record: dict) -> None:
+        def go(record: dict, seconds: float | None = None) -> None:
             order.append((tag, record["name"]))
             clock.now += 5.0
         return go
@@ -319,3 +319,29 @@ def test_a_width_pass_continues_the_pair_until_narrow() -> None:
     more = run_rounds(lambda r: rows[r], rules, clock=_clock(0.0), prior=first)
     assert more["rounds"] >= 4 + SWITCH_BLOCK and more["stopped"] == "target"
     assert ci_halfwidth(more) <= 0.02 < ci_halfwidth(first)
+
+
+def test_a_wide_row_takes_its_share_of_the_slack_never_less_than_its_time_budget() -> None:
+    """Rows are done when the width part runs, so a wide row may time rounds for its share of the slack (split
+    evenly over it and the wide rows after it), less the pass's fixed price; never less than its time budget
+    (run B at W17: 84 s of the budget unused while ``fp8-ffn`` stopped at 2.4 % after its 6 s)."""
+    clock = Clock()
+    budget = RunBudget(100.0, tail_s=10.0, clock=clock)
+    policy = TimingPolicy(threshold=1.02, run_budget=budget, budget_s=6.0)
+    records = [_record("a", (0.90, 0.96)), _record("b", (1.3, 1.5), "recommended")]
+    granted = {}
+
+    def widen(record: dict, seconds: float) -> None:
+        granted[record["name"]] = seconds
+        clock.now += seconds + pass_price_s(record["speed"])
+
+    out = settle_pass(records, policy, lambda r: pytest.fail("no verdict to settle"), clock=clock, widen=widen)
+    fixed = pass_price_s(records[0]["speed"])
+    assert out["widened"] == ["a", "b"] and out["refused"] == []
+    assert granted["a"] == pytest.approx(90.0 / 2 - fixed)          # half the slack: one more wide row follows
+    assert granted["b"] == pytest.approx(90.0 - 45.0 - fixed)       # the rest: the last wide row
+    assert clock.now <= 100.0 - 10.0 + 1e-9                          # within the budget, its tail kept
+    rules = width_policy(policy, records[0]["speed"] | {"rounds": 5}, budget_s=granted["a"])
+    assert rules.budget_s == pytest.approx(granted["a"]) and rules.max_rounds == 5 + policy.max_rounds
+    assert width_policy(policy, {"rounds": 5}, budget_s=1.0).budget_s == 6.0   # never below the time budget
+    assert width_policy(policy, {"rounds": 5}).budget_s == 6.0

@@ -19,7 +19,11 @@ each round; then its verdict is decided again. With ``widen``, a second part fol
 half-width (:func:`wide`: its narrowing rounds decide no verdict, so while rows were still to come they were held
 to its fair share of the slack) and that the first part did not take up is installed again the same way and its
 pair continues under :func:`width_policy` (one block, then rounds until narrow or its time budget is spent); its
-verdict is decided again. Every second of the pass is optional time of the run budget
+verdict is decided again. A wide row's rounds may take its share of the run budget's slack (the slack when its
+turn comes, split evenly over it and the wide rows after it), never less than its time budget: rows are done, so
+the slack is what the run has left over (at W17 on an H200 run B ended 84 s under its budget with ``fp8-ffn`` at
+2.4 % after 12 rounds, its width rounds cut at its 6 s time budget). Every second of the pass is optional time of
+the run budget
 (``extended_s``). From the run's start the run budget keeps one candidate's price in its reserve for the pass
 (:meth:`~worldfoundry.bench.run_budget.RunBudget.release_settle` gives it back when the pass starts, or after
 the rows when no verdict is left unsettled): in two W17 runs on an H200 without it, host waits and width rounds had
@@ -73,12 +77,14 @@ def wide(record: Mapping[str, Any], policy: TimingPolicy) -> bool:
     return ci_halfwidth(speed) > policy.target_halfwidth
 
 
-def width_policy(policy: TimingPolicy, prior: Mapping[str, Any]) -> TimingPolicy:
+def width_policy(policy: TimingPolicy, prior: Mapping[str, Any], budget_s: float | None = None) -> TimingPolicy:
     """The policy of a width pass over a pair that already ran ``prior["rounds"]`` rounds: one more block always,
-    then rounds until the CI is narrow or the candidate's time budget is spent (its verdict rounds as usual)."""
+    then rounds until the CI is narrow or ``budget_s`` seconds of rounds are spent (``None``, or less than the
+    candidate's time budget: that budget), its verdict rounds as usual."""
     done = int(prior["rounds"])
+    seconds = policy.budget_s if budget_s is None else max(policy.budget_s, float(budget_s))
     return replace(policy, min_rounds=done + SWITCH_BLOCK, max_rounds=done + policy.max_rounds, verdict_only=False,
-                   width_pool=None)
+                   width_pool=None, budget_s=seconds)
 
 
 def settle_policy(policy: TimingPolicy, prior: Mapping[str, Any]) -> TimingPolicy:
@@ -100,7 +106,7 @@ def pass_price_s(speed: Mapping[str, Any]) -> float:
 def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
                 retime: Callable[[dict[str, Any]], None], *,
                 clock: Callable[[], float] = time.perf_counter,
-                widen: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                widen: Callable[[dict[str, Any], float], None] | None = None) -> dict[str, Any]:
     """Run the settling pass over ``records`` (the bench's candidate records, in order): first every unsettled
     verdict, then (with ``widen``) every row whose CI is still wider than the target (:func:`wide`) and that the
     first part did not take up.
@@ -110,7 +116,8 @@ def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
         retime: ``retime(record)`` installs the record's candidate again, continues its pair with
             :func:`settle_policy` and decides its verdict again, updating ``record`` in place; it must leave the
             model dense.
-        widen: the same with :func:`width_policy`; ``None``: no width part.
+        widen: ``widen(record, seconds)``: the same with :func:`width_policy` and ``budget_s=seconds`` (the row's
+            share of the slack); ``None``: no width part.
 
     Returns:
         ``{"candidates": [...], "widened": [...], "refused": [...], "seconds": s}``: the names of the candidates
@@ -121,18 +128,23 @@ def settle_pass(records: list[dict[str, Any]], policy: TimingPolicy,
     if budget is None:
         return out
     budget.release_settle()  # the candidate's price the reserve kept for this pass is now slack
-    parts = [("candidates", unsettled, retime)] + ([("widened", wide, widen)] if widen is not None else [])
-    for key, needs, run in parts:
-        for record in records:
-            if "settle" in record or not needs(record, policy):
-                continue
+    for record in [r for r in records if "settle" not in r and unsettled(r, policy)]:
+        if not budget.allow(pass_price_s(record["speed"])):
+            out["refused"].append(record["name"])
+            continue
+        out["seconds"] += _one(record, retime, budget, clock, "verdict")
+        out["candidates"].append(record["name"])
+    if widen is not None:
+        rows = [r for r in records if "settle" not in r and wide(r, policy)]
+        for left, record in zip(range(len(rows), 0, -1), rows):
             # a width pass may time rounds for the candidate's whole time budget before the run budget is asked
-            price = pass_price_s(record["speed"]) + (policy.budget_s if key == "widened" else 0.0)
-            if not budget.allow(price):
+            fixed = pass_price_s(record["speed"])
+            if not budget.allow(fixed + policy.budget_s):
                 out["refused"].append(record["name"])
                 continue
-            out["seconds"] += _one(record, run, budget, clock, "width" if key == "widened" else "verdict")
-            out[key].append(record["name"])
+            seconds = budget.slack_s() / left - fixed  # its share of what the rows after it leave
+            out["seconds"] += _one(record, lambda r, s=seconds: widen(r, s), budget, clock, "width")
+            out["widened"].append(record["name"])
     out["seconds"] = round(out["seconds"], 3)
     return out
 
