@@ -636,7 +636,8 @@ def _settle(results: dict[str, Any], cfile: CandidateFile, pilots: dict[str, dic
         _decide_record(record, cand, cfile, config, len(seeds), monitor, noise_floor)
 
     return settle_pass([r for r in results["candidates"] if r["name"] in pilots], tpolicy,
-                       lambda r: retime(r, settle_policy), widen=lambda r, seconds: retime(r, partial(width_policy, budget_s=seconds)))
+                       lambda r: retime(r, settle_policy),
+                       widen=lambda r, seconds: retime(r, partial(width_policy, budget_s=seconds)))
 
 
 def _time_pairs(cand: Candidate, runner: _Runner, dense: dict[int, Any], pilots: dict[int, Any], seeds: list[int],
