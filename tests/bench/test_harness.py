@@ -315,6 +315,7 @@ def test_report_names_a_speedup_taken_against_the_run_dense_floor(tmp_path: Path
             "(host slow phase), and the candidate was device-bound (host busy 4% of its steps); against its own "
             "dense arm 2.097× [2.070, 2.107]") in text
     assert "the candidate was host-bound too (host busy 97% of its steps), so its own pair's estimate stands" in text
+    assert "lower bound divided by 1 + that excess (1.059) clears the threshold" in text  # 1.50 / 1.417
 
 
 def test_report_marks_a_verdict_that_had_not_settled_when_its_rounds_ended(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worldfoundry.bench.stats import decide, decision_threshold
+from worldfoundry.bench.stats import decide, decision_threshold, verdict_low
 from worldfoundry.bench.timing import (
     LoopTimer,
     TimingPolicy,
@@ -141,6 +141,33 @@ def test_min_gain_sets_the_threshold_of_recommended() -> None:
     assert decide(**base) == "recommended"  # no minimum gain: above the noise floor is enough
     assert decide(**base, min_gain=0.02) == "no_stable_gain"  # a gain the 2 % timing cannot resolve
     assert decide(**{**base, "speed": {"ci95": [1.021, 1.15], "speedup": 1.08}}, min_gain=0.02) == "recommended"
+
+
+def test_a_gain_measured_against_a_slowed_dense_arm_is_not_called_stable() -> None:
+    """W17 on an H200, run B3: ``mha-fused`` (0.98-0.99x on quiet hosts) read 1.067x [1.036, 1.163] against a
+    dense arm 12.3 % above the run's dense floor; the candidate was host-bound, so its pair's estimate was kept."""
+    base = dict(installed=True, finite=True, executed=True, exact_ok=True, timing_ok=True, quality_ok=True,
+                gpu_shared=False, noise_floor=1.0, min_gain=0.02)
+    slowed = {"ci95": [1.036, 1.163], "speedup": 1.067, "dense_excess": 0.123, "dense_floor_source": "pair"}
+    assert decide(**base, speed=slowed) == "no_stable_gain"
+    # against the run's dense floor (a device-bound candidate), or with no slowed arm, the CI stands as measured
+    assert decide(**base, speed={**slowed, "dense_floor_source": "run_reference"}) == "recommended"
+    assert decide(**base, speed={k: v for k, v in slowed.items() if k != "dense_floor_source"}) == "recommended"
+    # a gain that clears the threshold even after the excess is taken out stays recommended
+    assert decide(**base, speed={**slowed, "ci95": [1.25, 1.4], "speedup": 1.3}) == "recommended"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.5, 3.0), st.floats(0.0, 1.0), st.sampled_from(["pair", "run_reference", None]))
+def test_the_verdict_bound_never_exceeds_the_measured_one(low, excess, source) -> None:
+    speed = {"ci95": [low, low * 1.1], "dense_excess": excess}
+    if source is not None:
+        speed["dense_floor_source"] = source
+    bound = verdict_low(speed)
+    assert bound <= low
+    if source != "pair":
+        assert bound == low
+    assert bound == pytest.approx(low / (1.0 + excess) if source == "pair" else low)
 
 
 def test_rounds_added_until_the_ci_narrows() -> None:

@@ -243,8 +243,10 @@ def _dense_floor_note(speed: dict[str, Any]) -> list[str]:
     share = speed.get("candidate_host_share")
     if source == "pair":
         why = "the candidate was host-bound too" if share is not None else "the candidate's host time was not recorded"
+        low = speed["ci95"][0] / (1.0 + speed["dense_excess"])
         return [f"  - {slowed}; {why}{'' if share is None else f' (host busy {share:.0%} of its steps)'}, so its "
-                "own pair's estimate stands"]
+                f"own pair's estimate stands, and a gain is called stable only if its CI's lower bound divided by "
+                f"1 + that excess ({low:.3f}) clears the threshold"]
     pair = speed["pair_estimate"]
     return [f"  - speedup against the run's dense floor: {slowed}, and the candidate was device-bound (host busy "
             f"{share:.0%} of its steps); against its own dense arm {pair['speedup']:.3f}× "
