@@ -13,7 +13,16 @@ each), and profiles the whole call with ``cProfile`` (top functions by own time)
 * ``quantize``: the Triton rowwise FP8 activation quantization of the up projection's input;
 * ``gelu_quantize``: the fused GELU + quantization of the down projection's input;
 * ``scaled_mm``: ``torch._scaled_mm`` of the up projection with its bias;
-* ``bf16_linear``: ``F.linear`` of the up projection (the anchor's host time).
+* ``bf16_linear``: ``F.linear`` of the up projection (the anchor's host time);
+* ``fp8_ffn_normal_launch``: ``fp8_ffn`` with every Triton launch through Triton's normal path
+  (``direct_launch(False)``; the default launches a known specialization through its compiled launcher);
+* ``fused_run``: the fused FFN's body alone (no call-time checks); ``gate``: the call-time checks alone
+  (guards, fallback reasons, hooks); ``receipts``: the three receipt records of one fused call;
+* ``kernels_chain``: the four launches of one fused FFN (quantize, ``_scaled_mm``, GELU + quantize,
+  ``_scaled_mm``) without the plugin.
+
+Each FFN row also gets ``queued_us``: the host time per call of ``--reps`` calls issued back to back without
+draining the device in between (the regime of a forward, where the host runs ahead of the device).
 
 It also gives each FFN's device time (CUDA events around ``--reps`` back-to-back calls, per call), so host and
 device can be compared: a piece whose host time exceeds the device time of what it launches leaves the GPU idle.
@@ -43,6 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.models.attention import FeedForward
+from worldfoundry_selective_fp8.ffn_fusion import FusedFFN, plan_ffn_fusion
 from worldfoundry_selective_fp8.plugin import prepare
 
 from worldfoundry.base_models.diffusion_model.optimizations.plugins import install_diffusion_accelerations
@@ -53,6 +63,7 @@ from worldfoundry.core.acceleration.kernels.dispatch import (
 )
 from worldfoundry.core.acceleration.quantization.fp8_linear import scaled_mm_rowwise
 from worldfoundry.core.acceleration.registry import AccelerationRegistry
+from worldfoundry.core.fusion.launch import direct_launch, launch_path
 from worldfoundry.core.model_loading.policy import RuntimePolicy
 
 #: W17 (latent 5 x 40 x 72, patch 1 x 2 x 2): tokens, model width, FFN width.
@@ -87,6 +98,17 @@ def host_us(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
     return statistics.median(samples)
 
 
+def queued_us(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
+    """Host microseconds per call of ``reps`` calls issued back to back (the device drained once, before)."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - start) * 1e6 / reps
+    sync(device)
+    return host
+
+
 def device_us(fn: Callable[[], Any], reps: int, device: torch.device) -> float | None:
     """Microseconds of device time per call over ``reps`` back-to-back calls (``None`` off CUDA)."""
     if device.type != "cuda":
@@ -99,6 +121,11 @@ def device_us(fn: Callable[[], Any], reps: int, device: torch.device) -> float |
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
+
+
+def timings(fn: Callable[[], Any], reps: int, device: torch.device) -> dict[str, float | None]:
+    return {"host_us": host_us(fn, reps, device), "queued_us": queued_us(fn, reps, device),
+            "device_us": device_us(fn, reps, device)}
 
 
 def install(block: Block, device: torch.device) -> tuple[Any, Any]:
@@ -114,13 +141,37 @@ def install(block: Block, device: torch.device) -> tuple[Any, Any]:
     return session, handle
 
 
-def pieces(block: Block, x: torch.Tensor, handle: Any) -> dict[str, Callable[[], Any]]:
+def pieces(block: Block, x: torch.Tensor, handle: Any, plan: Any) -> dict[str, Callable[[], Any]]:
     up, down = block.ffn.net[0].proj, block.ffn.net[2]
     rows = x.reshape(-1, x.shape[-1])
     weight = handle.runtime.targets["ffn.net.0.proj"].weight
     q = quantize_activations_rowwise_fp8(rows)
     h = F.linear(rows, up.weight, up.bias)
+    runtime = handle.runtime
+    fused = FusedFFN(runtime, plan)
+    ledger = runtime.ledger
+
+    def normal_launch() -> Any:
+        with direct_launch(False):
+            return block(x)
+
+    def receipts() -> None:
+        ledger.executed("ffn.net.0.proj", "fp8_gemm")
+        ledger.executed("ffn.net.2", "fp8_gemm")
+        ledger.executed("ffn", "fp8_gelu_fused")
+
+    def kernels_chain() -> Any:
+        a = quantize_activations_rowwise_fp8(rows)
+        hidden = scaled_mm_rowwise(a.q, a.scale, weight, up.bias)
+        g = gelu_quantize_activations_rowwise_fp8(hidden, "tanh")
+        return scaled_mm_rowwise(g.q, g.scale, runtime.targets["ffn.net.2"].weight, down.bias)
+
     return {"fp8_ffn": lambda: block(x),
+            "fp8_ffn_normal_launch": normal_launch,
+            "fused_run": lambda: fused.run(x),
+            "gate": lambda: fused.skip_reason(x, (), {}),
+            "receipts": receipts,
+            "kernels_chain": kernels_chain,
             "quantize": lambda: quantize_activations_rowwise_fp8(rows),
             "gelu_quantize": lambda: gelu_quantize_activations_rowwise_fp8(h, "tanh"),
             "scaled_mm": lambda: scaled_mm_rowwise(q.q, q.scale, weight, up.bias),
@@ -149,18 +200,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
         dense = lambda: block(x)  # noqa: E731
         for _ in range(3):
             dense()
-        result = {"dense_ffn": {"host_us": host_us(dense, args.reps, device),
-                                "device_us": device_us(dense, args.reps, device)}}
+        result = {"dense_ffn": timings(dense, args.reps, device)}
+    plan = plan_ffn_fusion(block, ["ffn.net.0.proj", "ffn.net.2"])[0][0]  # before the forward is replaced
     session, handle = install(block, device)
     try:
         with torch.inference_mode(), request_scope(RequestContext("fp8-host-profile")):
-            timed = pieces(block, x, handle)
+            timed = pieces(block, x, handle, plan)
             for fn in timed.values():  # compile, allocator, caches
                 fn()
                 fn()
             for name, fn in timed.items():
-                result[name] = {"host_us": host_us(fn, args.reps, device),
-                                "device_us": device_us(fn, args.reps, device)}
+                result[name] = timings(fn, args.reps, device)
             text = profile_text(timed["fp8_ffn"], args.reps, device)
         report = session.execution_report()["plugins"]["selective_fp8"]["model"]
     finally:
@@ -177,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     data, text = measure(args, device)
-    data.update(commit=os.environ.get("COMMIT"), torch=torch.__version__, reps=args.reps,
+    data.update(commit=os.environ.get("COMMIT"), torch=torch.__version__, reps=args.reps, launch_path=launch_path(),
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +235,8 @@ def main() -> None:
     (out / "fp8_host_profile.txt").write_text(text)
     for name, row in data["pieces"].items():
         dev = row["device_us"]
-        print(f"{name:14} host {row['host_us']:9.1f} us" + ("" if dev is None else f"   device {dev:9.1f} us"))
+        print(f"{name:22} host {row['host_us']:9.1f} us   queued {row['queued_us']:9.1f} us"
+              + ("" if dev is None else f"   device {dev:9.1f} us"))
     print(text[:4000])
 
 
