@@ -78,3 +78,70 @@ def test_clip_counter_and_dispatch_on_cuda():
     x[7, 9] = float("inf")
     triton_quantize_rowwise_fp8(x, clip_counter=counter)
     assert counter.item() == 1
+
+
+def _quantize_both_paths(fn, x, **kwargs):
+    """``fn(x)`` three times through the launch plans (the first launch compiles, then direct launches) and once
+    through Triton's normal path."""
+    from worldfoundry.core.fusion.launch import direct_launch
+
+    direct = [fn(x, **kwargs) for _ in range(3)]
+    with direct_launch(False):
+        normal = fn(x, **kwargs)
+    return direct, normal
+
+
+@pytest.mark.parametrize("activation", ["none", "tanh", "erf"])
+def test_launch_plans_give_the_bytes_of_tritons_normal_path(activation):
+    from worldfoundry.core.acceleration.kernels import fp8_rowwise_quant as quant
+    from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_quantize_rowwise_fp8
+    from worldfoundry.core.fusion.launch import alignment_mask, launch_path
+
+    assert launch_path() == "direct"
+    if activation == "none":
+        fn = triton_quantize_rowwise_fp8
+    else:
+        def fn(h, **kw):
+            return triton_gelu_quantize_rowwise_fp8(h, activation, **kw)
+    wide = torch.randn(4099, 2048, device="cuda", dtype=torch.bfloat16)
+    storage = torch.empty(600 * 1536 + 1, device="cuda", dtype=torch.bfloat16)
+    misaligned = storage[1:].view(600, 1536)  # 2 bytes past an aligned address: its own specialization
+    misaligned.copy_(torch.randn(600, 1536, device="cuda"))
+    assert alignment_mask([misaligned]) == 0
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    quant._PLANS.clear()
+    for x, kwargs in ((torch.randn(3600, 1536, device="cuda", dtype=torch.bfloat16), {}),
+                      (torch.randn(2, 3600, 8960, device="cuda", dtype=torch.bfloat16), {"clip_counter": counter}),
+                      (wide[:, 256:1792], {}), (wide[::3, :1536], {}), (misaligned, {})):
+        direct, normal = _quantize_both_paths(fn, x, **kwargs)
+        for q, scale in direct:
+            assert torch.equal(q.view(torch.uint8), normal[0].view(torch.uint8))
+            assert torch.equal(scale, normal[1])
+        if activation == "none":
+            q_ref, scale_ref = quantize_rowwise_fp8(x)
+            assert torch.equal(normal[0].view(torch.uint8), q_ref.view(torch.uint8))
+            assert torch.equal(normal[1], scale_ref)
+    assert counter.item() == 0
+    assert len(quant._PLANS) == 5  # one plan per geometry
+    assert all(plan.variants() == 1 for plan in quant._PLANS.values())
+
+
+def test_a_launch_plan_is_captured_by_a_cuda_graph():
+    from worldfoundry.core.acceleration.kernels import fp8_rowwise_quant as quant
+
+    x = torch.randn(3600, 1536, device="cuda", dtype=torch.bfloat16)
+    quant._PLANS.clear()
+    for _ in range(2):
+        triton_quantize_rowwise_fp8(x)  # compile, then a direct launch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        q, scale = triton_quantize_rowwise_fp8(x)
+    fresh = torch.randn_like(x) * 7
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    q_ref, scale_ref = quantize_rowwise_fp8(fresh)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
