@@ -91,14 +91,14 @@ def _quantize_both_paths(fn, x, **kwargs):
     return direct, normal
 
 
-@pytest.mark.parametrize("activation", ["none", "tanh", "erf"])
+@pytest.mark.parametrize("activation", [None, "tanh", "none"])
 def test_launch_plans_give_the_bytes_of_tritons_normal_path(activation):
     from worldfoundry.core.acceleration.kernels import fp8_rowwise_quant as quant
     from worldfoundry.core.acceleration.kernels.fp8_gelu_quant import triton_gelu_quantize_rowwise_fp8
     from worldfoundry.core.fusion.launch import alignment_mask, launch_path
 
     assert launch_path() == "direct"
-    if activation == "none":
+    if activation is None:
         fn = triton_quantize_rowwise_fp8
     else:
         def fn(h, **kw):
@@ -110,19 +110,23 @@ def test_launch_plans_give_the_bytes_of_tritons_normal_path(activation):
     assert alignment_mask([misaligned]) == 0
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     quant._PLANS.clear()
-    for x, kwargs in ((torch.randn(3600, 1536, device="cuda", dtype=torch.bfloat16), {}),
+    same_geometry = torch.randn(3600, 1536, device="cuda")
+    for x, kwargs in ((same_geometry.to(torch.bfloat16), {}),
                       (torch.randn(2, 3600, 8960, device="cuda", dtype=torch.bfloat16), {"clip_counter": counter}),
-                      (wide[:, 256:1792], {}), (wide[::3, :1536], {}), (misaligned, {})):
+                      (wide[:, 256:1792], {}), (wide[::3, :1536], {}), (misaligned, {}),
+                      (same_geometry, {})):  # float32: the same geometry, another plan
+        if activation is not None and x.dtype != torch.bfloat16:
+            continue
         direct, normal = _quantize_both_paths(fn, x, **kwargs)
         for q, scale in direct:
             assert torch.equal(q.view(torch.uint8), normal[0].view(torch.uint8))
             assert torch.equal(scale, normal[1])
-        if activation == "none":
+        if activation is None:
             q_ref, scale_ref = quantize_rowwise_fp8(x)
             assert torch.equal(normal[0].view(torch.uint8), q_ref.view(torch.uint8))
             assert torch.equal(normal[1], scale_ref)
     assert counter.item() == 0
-    assert len(quant._PLANS) == 5  # one plan per geometry
+    assert len(quant._PLANS) == (6 if activation is None else 5)  # one plan per geometry and input dtype
     assert all(plan.variants() == 1 for plan in quant._PLANS.values())
 
 

@@ -374,7 +374,9 @@ def _launch_on(device: torch.device, grid: tuple[int], args: tuple[Any, ...], kw
         with torch.cuda.device(device):
             _fp8_rowwise_quant_kernel[grid](*args, **kwargs)
         return
-    key = (grid, *args[_N_POINTERS:], *kwargs.values())
+    # the plan fixes every pointer's dtype (its launcher keys only on the device and the alignments): the input's
+    # is the one that varies (q, scale, the counter and the activation output follow from the constexprs)
+    key = (args[0].dtype, grid, *args[_N_POINTERS:], *kwargs.values())
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
