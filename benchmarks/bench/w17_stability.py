@@ -11,7 +11,7 @@ verdicts, each run within 5 minutes); writes ``$OUT/w17_stability.json`` (defaul
 
 Run A is the command line ``worldfoundry bench --model wan2.1-t2v-1.3b --random-weights --device cuda --dtype bf16
 --candidates recipes/candidates/wan2.1-1.3b-h200.json --peers --max-rounds 20`` (the file sets the time budget,
-6 s per candidate, the width pool, 40 s, and the run budget, 285 s: rounds past a budget and host waits stop
+6 s per candidate, the width pool, 40 s, and the run budget, 295 s: rounds past a budget and host waits stop
 where the rest of the run would no longer fit).
 
 The summary is written after each run. ``--call-limit S`` (a device call's limit, e.g. 570) skips run B when run
