@@ -24,6 +24,9 @@ the default SANA-Video config at latent 21x60x104, text 300 x 2304):
   ``bare_graph`` (one plain ``torch.cuda.CUDAGraph`` of the eager forward: the replay's ceiling) and, unless
   ``--no-fa3``, FlashAttention-3 on self-attention (``attention_policy`` + ``attention_fa3``, ``min_tokens`` 2048)
   alone and under ``block_fusion`` / ``block_fusion+cuda_graph`` (rel L2 vs eager; the stacks bitwise vs ``fa3``);
+* Wan, with ``--fp8``: ``selective_fp8`` on the FFN Linears (the W17 candidates file's ``fp8-ffn`` options) alone and
+  under ``cuda_graph``, ``block_fusion`` and ``block_fusion+cuda_graph`` (rel L2 vs eager; the stacks bitwise vs
+  ``fp8``; timed in adjacent pairs too): what FP8 saves once a graph has removed the host cost of its launches;
 * Wan: ``block_fusion:float_carry`` and ``block_fusion:float_carry+cuda_graph``, the chains without ``layer_norm``
   (torch's LayerNorms fed the float32 stream the residual kernels write; bitwise vs eager);
 * SANA-Video: each chain alone (``sana:<chain>``) and the CUDA kernels taking the most time in eager and with
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import tempfile
@@ -78,6 +82,11 @@ SANA_LATENT = (21, 60, 104)
 SANA_SMOKE = dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, num_cross_attention_heads=2,
                   cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=32, sample_size=8,
                   rope_max_seq_len=64)
+#: ``selective_fp8`` as the W17 candidates file's ``fp8-ffn`` row sets it, and the stacks it is measured in.
+FP8_FFN = {"include": ["blocks.*.ffn.net.0.proj", "blocks.*.ffn.net.2"], "min_tokens": 1024}
+FP8_STACKS = {"fp8": {}, "cuda_graph+fp8": {"cuda_graph": True},
+              "block_fusion+fp8": {"wan_block_fusion": {}},
+              "block_fusion+cuda_graph+fp8": {"wan_block_fusion": {}, "cuda_graph": True}}
 GOALS = {"W17": 1.35, "W81": 1.15, "SANA480p": 1.15}
 STACK_GOALS = {"W17": 1.8}
 #: every chain of ``sana_block_fusion`` (``glu``: the feed-forward's gated SiLU), each also measured alone
@@ -102,12 +111,12 @@ def registry() -> AccelerationRegistry:
         reg.register("cuda_graph", cuda_graph)
     except ImportError:  # the variants that need it report the error
         pass
-    try:
-        from worldfoundry_attention_policy.plugin import prepare as attention_policy
-
-        reg.register("attention_policy", attention_policy)
-    except ImportError:
-        pass
+    for key, module in (("attention_policy", "worldfoundry_attention_policy.plugin"),
+                        ("selective_fp8", "worldfoundry_selective_fp8.plugin")):
+        try:
+            reg.register(key, importlib.import_module(module).prepare)
+        except ImportError:  # the variants that need it report the error
+            pass
     return reg
 
 
@@ -207,9 +216,10 @@ def plugin_variant(key: str, make_model: Callable[[], nn.Module], spec: dict[str
     entry: dict[str, Any] = {"first_call_s": round(first_s, 3),
                              "bitwise_vs_eager": bool(all(torch.equal(o, reference) for o in [first, *outs])),
                              "rel_l2_vs_eager": rel_l2(outs[-1], reference)}
-    base = result.get("_outs", {}).get("fa3")
-    if key != "fa3" and base is not None:  # a stack on fa3: exact on top of it?
-        entry["bitwise_vs_fa3"] = bool(all(torch.equal(o, base) for o in [first, *outs]))
+    for base_key in ("fa3", "fp8"):  # a stack on fa3 or fp8: exact on top of it?
+        base = result.get("_outs", {}).get(base_key)
+        if key != base_key and base_key in key.split("+") and base is not None:
+            entry[f"bitwise_vs_{base_key}"] = bool(all(torch.equal(o, base) for o in [first, *outs]))
     result.setdefault("_outs", {})[key] = outs[-1]
     for name in spec:
         rec = report[name]["model"]["requests"].get("first", {})
@@ -309,6 +319,8 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
             stacks += [("fa3", fa3), ("block_fusion+fa3", {name: {}, **fa3}),
                        ("block_fusion+cuda_graph+fa3",
                         {name: {}, "cuda_graph": {"compose_with": ["attention_policy"]}, **fa3})]
+    if family == "wan" and args.fp8:  # FP8 GEMMs on the FFN Linears (approximate), alone and stacked
+        stacks += [(key, {**spec, "selective_fp8": FP8_FFN}) for key, spec in FP8_STACKS.items()]
     if family == "wan" and (device.type == "cuda" or args.smoke):  # smoke: the CPU runs them eagerly (visible)
         for key, spec in stacks:
             variants.append((key, lambda key=key, spec=spec: plugin_variant(key, make_model, spec, inputs, reference,
@@ -376,7 +388,8 @@ def workload(label: str, family: str, latent: tuple[int, int, int], args: argpar
 
 
 #: The variants timed against eager in adjacent pairs (see the module docs).
-PAIRED_VARIANTS = ("block_fusion", "block_fusion:float_carry", "cuda_graph", "block_fusion+cuda_graph", "compile")
+PAIRED_VARIANTS = ("block_fusion", "block_fusion:float_carry", "cuda_graph", "block_fusion+cuda_graph", "compile",
+                   "fp8", "cuda_graph+fp8", "block_fusion+fp8", "block_fusion+cuda_graph+fp8")
 
 
 def pair_ratios(calls: dict[str, Callable[[], Any]], device: torch.device, pairs: int) -> dict[str, Any]:
@@ -420,9 +433,10 @@ def table(results: dict[str, Any]) -> str:
         for key, t in r["timing"].items():
             extra = r.get(key, {})
             bitwise = ("-" if key == "eager" else f"rel L2 {extra.get('rel_l2_vs_eager', float('nan')):.3g}"
-                       if key == "compile" or "fa3" in key else extra.get("bitwise_vs_eager"))
-            if "bitwise_vs_fa3" in extra:
-                bitwise = f"{bitwise}; bitwise vs fa3 {extra['bitwise_vs_fa3']}"
+                       if key == "compile" or "fa3" in key or "fp8" in key else extra.get("bitwise_vs_eager"))
+            for base_key in ("fa3", "fp8"):
+                if f"bitwise_vs_{base_key}" in extra:
+                    bitwise = f"{bitwise}; bitwise vs {base_key} {extra[f'bitwise_vs_{base_key}']}"
             first = (round(r["eager_first_call_s"], 2) if key == "eager" else
                      f"warm-up {extra.get('warmup_first_two_calls_s')}" if key == "compile" else
                      extra.get("first_call_s"))
@@ -449,6 +463,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny models and latents on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--no-fa3", dest="fa3", action="store_false",
                    help="skip FlashAttention-3 on self-attention (attention_policy + attention_fa3) and its stacks")
+    p.add_argument("--fp8", action="store_true",
+                   help="add selective_fp8 on the FFN Linears alone and under cuda_graph / block fusion (Wan)")
     args = p.parse_args()
     set_default_compile_mode("blocking")  # kernels compile before a first fused call, never beside timing
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
