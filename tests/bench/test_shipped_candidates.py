@@ -28,3 +28,5 @@ def test_the_w17_file_has_the_exact_stacks() -> None:
     stacks = {c.name: set(c.accelerations) for c in cfile.candidates}
     assert stacks["block-fusion+cuda-graph"] == {"wan_block_fusion", "cuda_graph"}
     assert stacks["block-fusion+cuda-graph+fa3-self"] == {"wan_block_fusion", "cuda_graph", "attention_policy"}
+    assert stacks["block-fusion+cuda-graph+fp8-ffn"] == {"wan_block_fusion", "cuda_graph", "selective_fp8"}
+    assert len(stacks) == 10  # what the file's run budget is set for
